@@ -1,0 +1,485 @@
+"""The case config: one typed, frozen tree, validated on load, serialised verbatim into every case directory.
+
+A case is fully described by a `RunConfig`. Matrices build one per case from a base mapping plus dotted
+overrides (`zero.stage: 3`); `dump_yaml` writes it to `<case>/config.yaml` and `load_case_config` reads it back,
+so any case can be rerun alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value: names the source file (if any), the dotted key, and what would be valid."""
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        self.key, self.message, self.source = key, message, source
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        return f"{where}{self.key}: {self.message}" if self.key else f"{where}{self.message}"
+
+    def within(self, prefix: str = "", source: str | None = None) -> ConfigError:
+        """The same error with its key placed under `prefix` and attributed to `source`."""
+        key = f"{prefix}.{self.key}" if prefix and self.key else (prefix or self.key)
+        return ConfigError(key, self.message, source or self.source)
+
+
+def _choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+_FROZEN = dict(frozen=True, kw_only=True, slots=True)
+
+
+@dataclass(**_FROZEN)
+class ModelConfig:
+    """Which model the actor (and critic, reference, rollout) start from."""
+
+    path: str = "tiny"  # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights) or a local HF dir
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
+        if not self.path:
+            raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b' or a local Hugging Face model directory")
+
+
+@dataclass(**_FROZEN)
+class DataConfig:
+    """Training prompts: verl's GSM8K parquet schema, or generated arithmetic problems."""
+
+    train_files: str = "synthetic"  # a parquet file in verl's GSM8K schema, or "synthetic"
+    synthetic_size: int = 4096  # problems generated when train_files is "synthetic"
+    max_prompt_length: int = 256  # prompts longer than this (tokens) are dropped, as in verl
+    shuffle: bool = True  # reshuffle every epoch with the case seed
+
+    def __post_init__(self) -> None:
+        _positive("synthetic_size", self.synthetic_size)
+        _positive("max_prompt_length", self.max_prompt_length)
+
+
+@dataclass(**_FROZEN)
+class RolloutConfig:
+    """How responses are sampled."""
+
+    backend: str = "hf"  # hf (transformers generate), vllm (colocated vLLM engine), auto (vllm if usable)
+    n: int = 1  # samples per prompt (GRPO needs n >= 2)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32  # response length cap; longer responses are clipped (response_length/clip_ratio)
+    static_cache: bool = False  # hf on CUDA: static KV cache with a compiled decode step
+    sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
+    gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
+    tensor_parallel_size: int = 1  # vllm: GPUs per engine
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.backend, ("hf", "vllm", "auto"))
+        _positive("n", self.n)
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _positive("max_new_tokens", self.max_new_tokens)
+        _positive("sync_bucket_mb", self.sync_bucket_mb)
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(**_FROZEN)
+class ActorConfig:
+    """Policy optimisation (verl's batch semantics: mini-batches in prompts, micro-batches in sequences)."""
+
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # DeepSpeed gradient_clipping; 0 disables
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (times rollout.n sequences)
+    micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
+    ppo_epochs: int = 1  # passes over each step's batch
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 0.0  # dual-clip bound for negative advantages (> 1 enables, e.g. 3.0); 0 = off
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # kl (k1), mse (k2), low_var_kl (k3), abs
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("grad_clip", self.grad_clip, allow_zero=True)
+        _positive("ppo_mini_batch_size", self.ppo_mini_batch_size)
+        _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        _positive("ppo_epochs", self.ppo_epochs)
+        _positive("clip_ratio_low", self.clip_ratio_low)
+        _positive("clip_ratio_high", self.clip_ratio_high)
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ConfigError("clip_ratio_c", f"must be > 1 to enable dual-clip, or 0 to disable; got {self.clip_ratio_c}")
+        _positive("kl_loss_coef", self.kl_loss_coef, allow_zero=True)
+        _choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
+
+
+KL_KINDS = ("kl", "mse", "low_var_kl", "abs")
+
+
+@dataclass(**_FROZEN)
+class CriticConfig:
+    """Value model (PPO only): same architecture as the actor with a scalar head; mini-batches as the actor's."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size_per_gpu: int = 4
+    cliprange_value: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("grad_clip", self.grad_clip, allow_zero=True)
+        _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        _positive("cliprange_value", self.cliprange_value)
+
+
+@dataclass(**_FROZEN)
+class AlgoConfig:
+    """Advantage estimation and reward shaping."""
+
+    gamma: float = 1.0  # GAE discount (PPO)
+    lam: float = 1.0  # GAE lambda (PPO)
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+    use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || ref) from token rewards
+    kl_coef: float = 0.001
+    kl_penalty: str = "kl"  # estimator for the in-reward KL: kl (k1), mse (k2), low_var_kl (k3), abs
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma <= 1:
+            raise ConfigError("gamma", f"must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError("lam", f"must be in [0, 1], got {self.lam}")
+        _positive("kl_coef", self.kl_coef, allow_zero=True)
+        _choice("kl_penalty", self.kl_penalty, KL_KINDS)
+
+
+OFFLOADS = ("none", "cpu", "nvme", "auto")
+
+
+@dataclass(**_FROZEN)
+class ZeroConfig:
+    """DeepSpeed ZeRO stage and offload (normalised per stage; see `effective_offload`)."""
+
+    stage: int = 2  # 0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)
+    offload: str = "none"  # none | cpu | nvme | auto
+    nvme_path: str = ""  # NVMe offload folder; empty = <case dir>/nvme
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 50_000_000  # elements
+    stage3_prefetch_bucket_size: int = 50_000_000  # elements
+
+    def __post_init__(self) -> None:
+        _choice("stage", self.stage, (0, 1, 2, 3))
+        _choice("offload", self.offload, OFFLOADS)
+        if self.stage == 0 and self.offload in ("cpu", "nvme"):
+            raise ConfigError(
+                "offload",
+                f"stage 0 (DDP) has no ZeRO-partitioned state to offload; use offload 'none' or 'auto', "
+                f"or stage 1-3 with offload {self.offload!r}",
+            )
+        _positive("reduce_bucket_size", self.reduce_bucket_size)
+        _positive("stage3_prefetch_bucket_size", self.stage3_prefetch_bucket_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """What an offload setting does at a stage: where optimizer states and parameters live."""
+
+    optimizer: str  # "none" | "cpu" | "nvme"
+    params: str  # "none" | "cpu" | "nvme"
+
+    @property
+    def label(self) -> str:
+        if self.optimizer == "none" and self.params == "none":
+            return "none"
+        if self.params == "none":
+            return f"optimizer:{self.optimizer}"
+        return f"optimizer+params:{self.params}"
+
+
+def effective_offload(stage: int, offload: str) -> Offload:
+    """Normalise `offload` for a ZeRO stage (DESIGN's table).
+
+    DeepSpeed's ZeRO-1/2 optimizer keeps offloaded states in CPU memory whatever device is named, so `nvme` at
+    stages 1 and 2 takes effect as `cpu`; zbench records that instead of pretending.
+    """
+    if offload == "none" or (stage == 0 and offload == "auto"):
+        return Offload("none", "none")
+    device = "cpu" if offload == "auto" else offload
+    if stage in (1, 2):
+        return Offload("cpu", "none")
+    return Offload(device, device)
+
+
+@dataclass(**_FROZEN)
+class RewardConfig:
+    """GSM8K rule reward."""
+
+    method: str = "strict"  # strict: `#### N`; flexible: the last number in the response
+    format_score: float = 0.1  # an answer in the right format but wrong
+    correct_score: float = 1.0
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, ("strict", "flexible"))
+
+
+@dataclass(**_FROZEN)
+class TrainerConfig:
+    """Placement, batch and bookkeeping."""
+
+    world_size: int = 2  # ranks: one per GPU, or worker slots on a CPU-only machine
+    device: str = "auto"  # auto (cuda if available), cuda, cpu
+    train_batch_size: int = 8  # prompts per step
+    save_freq: int = 0  # checkpoint every N steps (0: never)
+    torch_threads: int = 1  # intra-op threads per CPU worker
+    log_samples: int = 1  # decoded responses printed to train.log each step
+
+    def __post_init__(self) -> None:
+        _positive("world_size", self.world_size)
+        _choice("device", self.device, ("auto", "cuda", "cpu"))
+        _positive("train_batch_size", self.train_batch_size)
+        _positive("save_freq", self.save_freq, allow_zero=True)
+        _positive("torch_threads", self.torch_threads)
+        _positive("log_samples", self.log_samples, allow_zero=True)
+
+
+ALGORITHMS = ("ppo", "grpo")
+
+
+@dataclass(**_FROZEN)
+class RunConfig:
+    """One case: everything the engine needs to train it, and nothing else."""
+
+    name: str = "case"
+    algorithm: str = "ppo"  # ppo (GAE + critic) or grpo (group-normalised outcome advantages, no critic)
+    seed: int = 1
+    steps: int = 60
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _positive("steps", self.steps)
+        if self.algorithm == "grpo" and self.rollout.n < 2:
+            raise ConfigError("rollout.n", f"GRPO compares samples within a group: needs n >= 2, got {self.rollout.n}")
+        self.batch_plan()  # raises on batch sizes that do not divide over the ranks
+
+    def batch_plan(self) -> BatchPlan:
+        """Sequences per step, per rank, per mini- and micro-batch; checks that everything divides."""
+        t, a, n, dp = self.trainer, self.actor, self.rollout.n, self.trainer.world_size
+        if t.train_batch_size % a.ppo_mini_batch_size:
+            raise ConfigError(
+                "actor.ppo_mini_batch_size",
+                f"{a.ppo_mini_batch_size} does not divide trainer.train_batch_size={t.train_batch_size}",
+            )
+        mini_seqs = a.ppo_mini_batch_size * n
+        micros = {"actor": a.micro_batch_size_per_gpu}
+        if self.algorithm == "ppo":
+            micros["critic"] = self.critic.micro_batch_size_per_gpu
+        for who, micro in micros.items():
+            if mini_seqs % (micro * dp):
+                raise ConfigError(
+                    f"{who}.micro_batch_size_per_gpu",
+                    f"a mini-batch of {a.ppo_mini_batch_size} prompts x {n} samples = {mini_seqs} sequences cannot be "
+                    f"split into micro-batches of {micro} on each of {dp} ranks; choose sizes with "
+                    f"ppo_mini_batch_size * rollout.n divisible by micro_batch_size_per_gpu * trainer.world_size",
+                )
+        return BatchPlan(
+            prompts=t.train_batch_size,
+            sequences=t.train_batch_size * n,
+            sequences_per_rank=t.train_batch_size * n // dp,
+            mini_batch_sequences=mini_seqs,
+            grad_accum={who: mini_seqs // (micro * dp) for who, micro in micros.items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """Derived batch sizes (DeepSpeed's train_batch_size = micro x grad_accum x dp = mini_batch_sequences)."""
+
+    prompts: int
+    sequences: int
+    sequences_per_rank: int
+    mini_batch_sequences: int
+    grad_accum: dict[str, int]
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against a field type; ints are accepted for floats, nothing else is converted."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is not type(None):
+                return _coerce(key, value, arg)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], [v.rsplit(".", 1)[-1] for v in valid], n=1)
+    if not close:
+        close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(key, f"unknown key{hint} (valid: {', '.join(valid)})")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise _unknown_key(dotted, [f"{prefix}.{n}" if prefix else n for n in names])
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, dotted) if _is_config(tp) else _coerce(dotted, value, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.within(prefix) from None
+
+
+def from_dict(data: Mapping[str, Any], source: str | None = None) -> RunConfig:
+    """Build and validate a `RunConfig` from a nested mapping; errors name `source` and the dotted key."""
+    try:
+        return _build(RunConfig, data, "")
+    except ConfigError as err:
+        raise err.within("", source) from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested data, in field order."""
+    return {f.name: (to_dict(v) if _is_config(type(v := getattr(cfg, f.name))) else v) for f in dataclasses.fields(cfg)}
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    """The config as YAML text, the form written to `<case>/config.yaml`."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; a syntax error names the file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError("", f"cannot read: {err.strerror}", str(path)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError("", f"malformed YAML: {where}{problem}", str(path)) from None
+
+
+def load_case_config(path: str | Path) -> RunConfig:
+    """Read `<case>/config.yaml` (or any file in that form)."""
+    data = read_yaml(path)
+    if not isinstance(data, Mapping):
+        raise ConfigError("", "expected a mapping of config sections", str(path))
+    return from_dict(data, str(path))
+
+
+def dotted_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted key (`zero.stage`, `rollout.n`, ...)."""
+    keys: list[str] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        keys.extend(dotted_keys(hints[f.name], dotted) if _is_config(hints[f.name]) else [dotted])
+    return keys
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, source: str | None = None) -> None:
+    """Set `a.b.c` in nested `data` in place; an unknown key is an error with the closest valid one."""
+    valid = dotted_keys()
+    if key not in valid:
+        raise _unknown_key(key, valid).within("", source)
+    node = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"{part!r} is not a section", source)
+    node[leaf] = value
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """Parse one `--set key=value`; the value is read as a YAML scalar (`3`, `true`, `1e-4`, `cpu`)."""
+    if "=" not in item:
+        raise ConfigError("", f"--set takes key=value, got {item!r} (e.g. --set zero.stage=3)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value

@@ -1,0 +1,204 @@
+"""Matrices: named sets of cases, as data. Load `matrices/*.yaml`, expand axes into cases, apply `--set` overrides.
+
+A matrix file:
+
+    description: PPO, ZeRO 1/2/3 x offload none/cpu
+    base: {algorithm: ppo}                      # partial RunConfig shared by every case
+    axes:                                       # cartesian product, first axis outermost
+      offload: {no_offload: {zero.offload: none}, cpu_offload: {zero.offload: cpu}}
+      stage: {zero1: {zero.stage: 1}, zero2: {zero.stage: 2}, zero3: {zero.stage: 3}}
+    name: "{stage}_{offload}"                   # case-name template over axis labels
+    exclude: [{stage: zero1, offload: cpu_offload}, "zero3_*"]   # label combinations or name globs
+    cases: [{name: ddp, set: {zero.stage: 0}}]  # explicit cases after the product
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import fnmatch
+import itertools
+import re
+import string
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from zbench.config import ConfigError, RunConfig, from_dict, read_yaml, set_dotted
+
+MATRIX_KEYS = ("description", "base", "axes", "name", "exclude", "cases")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One case of a matrix: its name, its resolved config, and the overrides that made it."""
+
+    name: str
+    config: RunConfig
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Matrix:
+    """A parsed matrix file."""
+
+    name: str
+    source: str
+    description: str
+    base: dict[str, Any]
+    axes: list[tuple[str, list[tuple[str, dict[str, Any]]]]]
+    name_template: str
+    exclude: list[Any]
+    cases: list[tuple[str, dict[str, Any]]]
+
+
+def check_name(value: str, what: str) -> str:
+    """A case name or tag must stay inside the results directory: letters, digits, `._+-`, no leading dot."""
+    if not isinstance(value, str) or not SAFE_NAME.match(value) or value in (".", ".."):
+        raise ConfigError(
+            "",
+            f"{what} {value!r} is not a safe directory name: use letters, digits, '.', '_', '+', '-' "
+            "(no '/', no leading '.' or '-', not empty)",
+        )
+    return value
+
+
+def matrix_dir() -> Path:
+    """Where the shipped matrices live (package data, or the source checkout's `matrices/`)."""
+    try:
+        shipped = resources.files("zbench.matrices")
+        if shipped.is_dir() and any(p.name.endswith(".yaml") for p in shipped.iterdir()):
+            return Path(str(shipped))
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parents[1] / "matrices"
+
+
+def shipped_matrices() -> dict[str, Path]:
+    """Shipped matrix names and their files."""
+    return {p.stem: p for p in sorted(matrix_dir().glob("*.yaml"))}
+
+
+def find_matrix(name_or_path: str) -> Path:
+    """A shipped matrix name or a path to a YAML file; an unknown name suggests the closest shipped one."""
+    shipped = shipped_matrices()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError("", f"matrix file not found: {path}")
+        return path
+    close = difflib.get_close_matches(name_or_path, list(shipped), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError("", f"unknown matrix {name_or_path!r}: {hint}shipped matrices are {', '.join(shipped)}, "
+                          "or give a path to a YAML file")
+
+
+def _overrides(raw: Any, where: str, source: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, f"expected a mapping of dotted keys to values, got {raw!r}", source)
+    return {str(k): v for k, v in raw.items()}
+
+
+def load_matrix(name_or_path: str) -> Matrix:
+    """Read and check a matrix file (structure only; case configs are validated on expansion)."""
+    path = find_matrix(name_or_path)
+    source = str(path)
+    data = read_yaml(path)
+    if not isinstance(data, Mapping):
+        raise ConfigError("", "a matrix file is a mapping with keys " + ", ".join(MATRIX_KEYS), source)
+    for key in data:
+        if key not in MATRIX_KEYS:
+            close = difflib.get_close_matches(str(key), MATRIX_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(str(key), f"unknown matrix key{hint} (valid: {', '.join(MATRIX_KEYS)})", source)
+    base = data.get("base") or {}
+    if not isinstance(base, Mapping):
+        raise ConfigError("base", f"expected a mapping (a partial case config), got {base!r}", source)
+    axes: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
+    raw_axes = data.get("axes") or {}
+    if not isinstance(raw_axes, Mapping):
+        raise ConfigError("axes", "expected a mapping of axis name -> {label: {dotted.key: value}}", source)
+    for axis, values in raw_axes.items():
+        if not isinstance(values, Mapping) or not values:
+            raise ConfigError(f"axes.{axis}", "expected a non-empty mapping of label -> overrides", source)
+        axes.append((str(axis), [(str(lbl), _overrides(ov, f"axes.{axis}.{lbl}", source)) for lbl, ov in values.items()]))
+    template = data.get("name") or "_".join("{" + a + "}" for a, _ in axes)
+    fields = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+    missing = fields - {a for a, _ in axes}
+    if missing:
+        raise ConfigError("name", f"template {template!r} uses {sorted(missing)}, not axes of this matrix "
+                                  f"(axes: {', '.join(a for a, _ in axes) or 'none'})", source)
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for i, case in enumerate(data.get("cases") or []):
+        if not isinstance(case, Mapping) or "name" not in case or set(case) - {"name", "set"}:
+            raise ConfigError(f"cases[{i}]", "expected {name: ..., set: {dotted.key: value}}", source)
+        cases.append((str(case["name"]), _overrides(case.get("set"), f"cases[{i}].set", source)))
+    exclude = list(data.get("exclude") or [])
+    if not axes and not cases:
+        raise ConfigError("", "a matrix needs axes or cases", source)
+    return Matrix(path.stem, source, str(data.get("description") or ""), copy.deepcopy(dict(base)), axes,
+                  template, exclude, cases)
+
+
+def _excluded(name: str, labels: dict[str, str], exclude: Iterable[Any]) -> bool:
+    for rule in exclude:
+        if isinstance(rule, str) and fnmatch.fnmatchcase(name, rule):
+            return True
+        if isinstance(rule, Mapping) and rule and all(labels.get(str(k)) == str(v) for k, v in rule.items()):
+            return True
+    return False
+
+
+def expand(
+    matrix: Matrix,
+    seed: int | None = None,
+    steps: int | None = None,
+    sets: Iterable[tuple[str, Any]] = (),
+    case_globs: Iterable[str] = (),
+) -> list[Case]:
+    """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values."""
+    sets = list(sets)
+    # Precedence, lowest first: base, the run's --seed/--steps, the case's own axis values, then --set.
+    run_level: dict[str, Any] = {}
+    if seed is not None:
+        run_level["seed"] = seed
+    if steps is not None:
+        run_level["steps"] = steps
+    planned: list[tuple[str, dict[str, Any]]] = []
+    for combo in itertools.product(*(values for _, values in matrix.axes)) if matrix.axes else []:
+        labels = {axis: label for (axis, _), (label, _) in zip(matrix.axes, combo, strict=True)}
+        name = matrix.name_template.format(**labels)
+        if _excluded(name, labels, matrix.exclude):
+            continue
+        overrides: dict[str, Any] = {}
+        for _, ov in combo:
+            overrides.update(ov)
+        planned.append((name, overrides))
+    planned.extend(matrix.cases)
+    globs = [g for g in case_globs if g]
+    if globs:
+        chosen = [(n, o) for n, o in planned if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+        if not chosen:
+            raise ConfigError("", f"--cases {','.join(globs)} matches none of {', '.join(n for n, _ in planned)}")
+        planned = chosen
+    seen: set[str] = set()
+    cases = []
+    for name, overrides in planned:
+        check_name(name, f"case name in {matrix.source}:")
+        if name in seen:
+            raise ConfigError("", f"two cases are named {name!r}", matrix.source)
+        seen.add(name)
+        data = copy.deepcopy(matrix.base)
+        applied = {**run_level, **overrides, **dict(sets), "name": name}
+        for key, value in applied.items():
+            set_dotted(data, key, value, matrix.source)
+        cfg = from_dict(data, f"{matrix.source} (case {name})")
+        cases.append(Case(name, cfg, {**overrides, **dict(sets)}))
+    return cases
