@@ -1,0 +1,232 @@
+"""PPO / GRPO mathematics as pure tensor functions.
+
+Every function takes ``[B, T]`` token tensors over right-padded responses together with a ``response_mask``
+(1 on generated tokens, 0 on padding) and returns tensors; nothing here knows about workers, devices or
+DeepSpeed. Conventions follow verl so that metrics read the same: token-mean loss aggregation, advantages
+whitened over the valid tokens of the batch, verl's KL estimator names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_KL_KINDS = {"k1": "kl", "kl": "kl", "k2": "mse", "mse": "mse", "k3": "low_var_kl", "low_var_kl": "low_var_kl",
+             "abs": "abs"}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is non-zero (0 where the mask is empty)."""
+    # where() rather than x * mask so that inf/nan sitting in padding cannot leak into the sum.
+    masked = torch.where(mask != 0, x * mask, torch.zeros_like(x))
+    if dim is None:
+        return masked.sum() / mask.sum().clamp_min(1e-8)
+    return masked.sum(dim) / mask.sum(dim).clamp_min(1e-8)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``x`` to zero mean and unit variance over the masked positions.
+
+    The variance is Bessel-corrected (as in verl) when at least two positions are valid. With
+    ``shift_mean=False`` the mean is added back, so only the scale changes.
+    """
+    mean = masked_mean(x, mask)
+    centered = x - mean
+    n = mask.sum()
+    var = masked_mean(centered**2, mask)
+    if n >= 2:
+        var = var * n / (n - 1)
+    whitened = centered * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid tokens of each response.
+
+    Scans positions from last to first; at a padded position the running advantage and the bootstrap value
+    are carried through unchanged, so padding never bootstraps from garbage values and the value after the
+    last valid token is 0. Returns ``(advantages, returns)`` with ``returns = raw advantages + values``;
+    advantages are whitened over the batch when ``whiten`` (verl's default) and are 0 on padding.
+    """
+    mask = response_mask.to(values.dtype)
+    batch, length = values.shape
+    next_value = values.new_zeros(batch)
+    last_gae = values.new_zeros(batch)
+    advantages_reversed = []
+    for t in reversed(range(length)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        m = mask[:, t]
+        next_value = values[:, t] * m + next_value * (1 - m)
+        last_gae = gae * m + last_gae * (1 - m)
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages * mask, returns * mask
+
+
+def compute_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages: each outcome score minus its group's mean (divided by the group's std).
+
+    ``scores`` [B] holds one outcome reward per sample and ``group_ids`` [B] the prompt each sample came from.
+    The std is the unbiased one; a group of one sample gets mean 0 and std 1 (as in verl), i.e. its raw score.
+    The per-sample advantage is broadcast over its response tokens; returns equal advantages.
+    """
+    scores = scores.to(torch.float32)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, inverse, scores)
+    mean = sums / counts
+    sq_dev = torch.zeros_like(counts).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = torch.sqrt(sq_dev / (counts - 1).clamp_min(1))
+    singleton = counts == 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    adv = scores - mean[inverse]
+    if norm_by_std:
+        adv = adv / (std[inverse] + eps)
+    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return advantages, advantages.clone()
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference from sampled-token log-probs.
+
+    ``kind``: ``k1``/``kl`` (log-ratio), ``k2``/``mse`` (half squared log-ratio), ``k3``/``low_var_kl``
+    (Schulman's unbiased, low-variance ``r - log r - 1`` with ``r = ref/policy``, clamped to [-10, 10]), ``abs``.
+    """
+    name = _KL_KINDS.get(kind)
+    if name is None:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(_KL_KINDS)}")
+    log_ratio = logprob - ref_logprob
+    if name == "kl":
+        return log_ratio
+    if name == "abs":
+        return log_ratio.abs()
+    if name == "mse":
+        return 0.5 * log_ratio.square()
+    # Clamp before exp: a log-ratio of 20+ would overflow and the estimate is clamped afterwards anyway.
+    ref_over_pi = (-log_ratio).clamp(-20.0, 20.0)
+    return (torch.exp(ref_over_pi) - ref_over_pi - 1).clamp(-10.0, 10.0)
+
+
+def policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate loss, token-mean over the mask; returns ``(pg_loss, pg_clipfrac, ppo_kl)``.
+
+    The ratio is clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``. With ``clip_ratio_c`` (> 1) the
+    dual-clip bound caps the loss of negative-advantage tokens at ``-A * clip_ratio_c``. ``pg_clipfrac`` is the
+    fraction of tokens where the clipped term is active; ``ppo_kl`` the mean of ``old - new`` log-probs (k1).
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    losses = torch.maximum(loss_unclipped, loss_clipped)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), response_mask)
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        losses = torch.where(advantages < 0, torch.minimum(losses, dual_bound), losses)
+    return masked_mean(losses, response_mask), pg_clipfrac, ppo_kl
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_clipped - R)^2)``, token-mean; returns ``(loss, clipfrac)``.
+
+    ``v_clipped`` keeps the new value within ``cliprange_value`` of the value at rollout time.
+    """
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    err_unclipped = (values - returns).square()
+    err_clipped = (clipped - returns).square()
+    vf_loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), response_mask)
+    vf_clipfrac = masked_mean((err_clipped > err_unclipped).to(values.dtype), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution over the last dim, in float32: ``logsumexp(z) - sum(p * z)``."""
+    z = logits.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``logits`` ([..., V] -> [...]) in float32.
+
+    Full-precision logits use ``z[label] - logsumexp(z)`` without materialising a log-softmax; half-precision
+    logits are upcast one row at a time so that a [B, T, V] float32 copy never exists at once.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+        return (picked - torch.logsumexp(logits, dim=-1)).float()
+    flat_logits = logits.reshape(-1, logits.shape[-2], logits.shape[-1]) if logits.dim() > 2 else logits[None]
+    flat_labels = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels[None]
+    rows = [
+        torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        for row, lab in zip(flat_logits, flat_labels, strict=True)
+    ]
+    return torch.stack(rows).reshape(labels.shape)
+
+
+def apply_kl_in_reward(
+    token_level_scores: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Subtract ``kl_coef * KL`` from the token scores; returns ``(token_level_rewards, kl_mean)``.
+
+    ``kl_mean`` is the per-sequence token-mean KL averaged over the batch (a 0-dim tensor), as verl logs it.
+    """
+    kld = kl_penalty(logprob, ref_logprob, kind) * response_mask
+    rewards = token_level_scores - kl_coef * kld
+    kl_mean = masked_mean(kld, response_mask, dim=-1).mean()
+    return rewards, kl_mean
+
+
+def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sample's outcome score on its last valid response token ([B] -> [B, T]).
+
+    A response with no valid token receives nothing.
+    """
+    length = response_mask.shape[-1]
+    positions = torch.arange(length, device=response_mask.device).expand_as(response_mask)
+    last = torch.where(response_mask != 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    has_token = last >= 0
+    rows = torch.nonzero(has_token).squeeze(-1)
+    out[rows, last[rows]] = scores[rows].to(torch.float32)
+    return out
