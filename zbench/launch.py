@@ -1,0 +1,509 @@
+"""Run cases as isolated processes: one process group per case, a watchdog, classification, retries.
+
+Each case runs as ``<command> <case_dir>`` (normally ``python -m zbench.engine <case_dir>``) in its own session,
+with stdout and stderr appended to ``<case_dir>/train.log``. A watchdog thread kills the whole process group
+when the heartbeat stalls (step timeout) or the case runs too long (case timeout). Ray daemonizes its raylet and
+GCS out of that group, so after every case any process whose command line mentions the case's Ray temp dir
+(``ZBENCH_RAY_TMPDIR``, set here, used by the engine) is killed as well, together with every descendant the
+watchdog saw while the case ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import psutil
+import yaml
+
+from zbench import store
+
+CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
+INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
+
+OOM_PATTERNS = re.compile(
+    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|memory monitor"
+    r"|running low on memory|Cannot allocate memory"
+)
+# A lost worker or a broken collective: worth one more attempt.
+TRANSIENT_PATTERNS = re.compile(
+    r"ActorDiedError|RayActorError|ActorUnavailableError|WorkerCrashedError|NodeDiedError"
+    r"|(?i:(?:nccl|gloo)[^\n]*(?:connect|reset|refused|closed|timed? ?out|broken pipe|remote error|system error))"
+)
+# The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
+EXCEPTION_LINE = re.compile(
+    r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Died)\b.*)$"
+)
+
+_LOG_SCAN_BYTES = 4 << 20  # classify from the last 4 MiB of an attempt's log
+
+
+def ray_tmpdir_for(case_dir: Path) -> Path:
+    """The Ray temp dir a case's engine must use: ``<case_dir>/.ray`` when short enough, else under /tmp.
+
+    Ray puts unix sockets at ``<tmp>/session_<date>_<pid>/sockets/...`` and the OS caps socket paths at 107
+    bytes, so deep case dirs get ``<tmp>/zbench-ray-<hash>`` instead (hash of the case dir, stable per case).
+    """
+    case_dir = case_dir.resolve()
+    inside = case_dir / ".ray"
+    if len(str(inside)) <= 40:
+        return inside
+    digest = hashlib.sha256(str(case_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+
+
+# ---------------------------------------------------------------- killing
+
+
+def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def processes_mentioning(marker: str) -> list[psutil.Process]:
+    """Processes (other than this one) whose command line contains ``marker``."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["pid"] != me and any(marker in arg for arg in p.info["cmdline"] or ()):
+                found.append(p)
+    return found
+
+
+def kill_processes(pgid: int | None, extra: Sequence[psutil.Process], grace_s: float) -> None:
+    """SIGTERM a process group and extra processes, wait up to ``grace_s``, then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+        for p in _alive(extra):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (_group_alive(pgid) or _alive(extra)):
+                time.sleep(0.05)
+    psutil.wait_procs(_alive(extra), timeout=2.0)
+
+
+def _group_alive(pgid: int | None) -> bool:
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # A group whose only members are zombies awaiting our wait() counts as gone.
+    for p in psutil.process_iter(["pid", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------- one case
+
+
+class Ticker(Protocol):
+    """Called from the watchdog thread on every poll (progress display refresh)."""
+
+    def __call__(self) -> None: ...
+
+
+@dataclass
+class _Watch:
+    """Shared state between a running case, its watchdog thread and the signal handler."""
+
+    proc: subprocess.Popen[bytes]
+    pgid: int
+    stop: threading.Event
+    ray_marker: str
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+    fired: str | None = None  # "step timeout ..." / "case timeout ..." when the watchdog killed the case
+    interrupted: bool = False
+
+    def remember_descendants(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+
+    def leftovers(self) -> list[psutil.Process]:
+        return _alive([*self.seen.values(), *processes_mentioning(self.ray_marker)])
+
+
+def _heartbeat_mtime(case_dir: Path) -> float | None:
+    newest = None
+    for name in (store.HEARTBEAT, store.METRICS):
+        with contextlib.suppress(FileNotFoundError):
+            m = (case_dir / name).stat().st_mtime
+            newest = m if newest is None else max(newest, m)
+    return newest
+
+
+def _watchdog(
+    watch: _Watch,
+    case_dir: Path,
+    case_timeout_s: float | None,
+    step_timeout_s: float | None,
+    grace_s: float,
+    poll_s: float,
+    tick: Ticker | None,
+) -> None:
+    started = time.time()
+    while watch.proc.poll() is None:
+        watch.remember_descendants()
+        now = time.time()
+        beat = _heartbeat_mtime(case_dir)
+        # Before the first step (no heartbeat of this attempt yet) the step timeout counts from the start.
+        last = max(beat, started) if beat is not None else started
+        if watch.stop.is_set():
+            watch.interrupted = True
+        elif case_timeout_s is not None and now - started > case_timeout_s:
+            watch.fired = f"case timeout: still running after {case_timeout_s:g} s"
+        elif step_timeout_s is not None and now - last > step_timeout_s:
+            watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
+        if watch.interrupted or watch.fired:
+            kill_processes(watch.pgid, watch.leftovers(), grace_s)
+            return
+        if tick is not None:
+            with contextlib.suppress(Exception):  # a display error must not stop the watchdog
+                tick()
+        watch.stop.wait(poll_s)
+
+
+def _read_attempt_log(log: Path, offset: int) -> str:
+    try:
+        with log.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(offset, size - _LOG_SCAN_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def reason_from_log(text: str) -> str:
+    """One line explaining a failure: the last exception line of the log, else its last non-empty line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = EXCEPTION_LINE.match(ln)
+        if m and not ln.startswith("Traceback"):
+            return m.group(1)[:300]
+    for ln in reversed(lines):
+        if OOM_PATTERNS.search(ln):
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _result_complete(case_dir: Path) -> bool:
+    result = store.read_json(case_dir / store.RESULT)
+    if not result:
+        return False
+    done, target = result.get("steps_completed"), result.get("steps_target")
+    return isinstance(done, int) and isinstance(target, int) and done >= target
+
+
+def _last_step(case_dir: Path) -> int:
+    steps = [
+        r["step"]
+        for r in store.read_metrics(case_dir / store.METRICS).records
+        if isinstance(r.get("step"), int)
+    ]
+    return max(steps, default=0)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The outcome of one attempt: the status written to status.json and whether a retry may help."""
+
+    status: dict[str, Any]
+    retryable: bool
+    config_error: bool
+
+
+def _classify(
+    case_dir: Path, watch: _Watch, exit_code: int | None, log_text: str, warnings: list[str]
+) -> tuple[str, str, bool, bool]:
+    """(status, reason, retryable, config_error) of a finished attempt."""
+    reason = reason_from_log(log_text)
+    if _result_complete(case_dir):
+        if exit_code != 0:
+            warnings.append(
+                f"process ended with {_exit_text(exit_code)} after completing all steps: {reason}"
+            )
+        return "completed", "", False, False
+    if watch.interrupted:
+        return "interrupted", "interrupted by signal", False, False
+    if watch.fired:
+        return "timeout", watch.fired, True, False
+    if exit_code == CONFIG_ERROR_EXIT:
+        return "failed", f"config error: {reason}" if reason else "config error", False, True
+    killed = exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
+    if OOM_PATTERNS.search(log_text) or (killed and re.search(r"\bKilled\b", log_text)):
+        oom_line = next((ln.strip() for ln in reversed(log_text.splitlines()) if OOM_PATTERNS.search(ln)), "")
+        return "oom", (oom_line or reason or _exit_text(exit_code))[:300], False, False
+    if exit_code == 0:
+        return "failed", "exited 0 without a complete result.json", False, False
+    if killed and not reason:
+        reason = (
+            "killed by SIGKILL without an OOM message in train.log (check the kernel log for the OOM killer)"
+        )
+    retryable = bool(TRANSIENT_PATTERNS.search(log_text))
+    return "failed", reason or _exit_text(exit_code), retryable, False
+
+
+def _prepare_attempt(case_dir: Path, attempt: int) -> None:
+    """Set aside files a previous attempt left, so the new attempt's metrics and result stand alone."""
+    for name in (store.METRICS, store.RESULT):
+        p = case_dir / name
+        if p.exists():
+            stem, dot, ext = name.partition(".")
+            os.replace(p, case_dir / f"{stem}.attempt{attempt - 1}{dot}{ext}")
+    with contextlib.suppress(FileNotFoundError):
+        (case_dir / store.HEARTBEAT).unlink()
+
+
+def run_attempt(
+    case_dir: str | os.PathLike[str],
+    command: Sequence[str],
+    env: Mapping[str, str] | None,
+    case_timeout_s: float | None,
+    step_timeout_s: float | None,
+    attempt: int,
+    *,
+    stop: threading.Event | None = None,
+    kill_grace_s: float = 10.0,
+    poll_s: float = 0.5,
+    tick: Ticker | None = None,
+) -> Attempt:
+    """``run_case`` returning also whether the failure is transient (retryable) or a config error."""
+    cdir = Path(case_dir).resolve()
+    cdir.mkdir(parents=True, exist_ok=True)
+    if attempt > 1:
+        _prepare_attempt(cdir, attempt)
+    ray_dir = ray_tmpdir_for(cdir)
+    child_env = {**os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1"}
+    log = cdir / store.TRAIN_LOG
+    started_at = store.utc_now()
+    status: dict[str, Any] = {
+        "status": "running", "attempt": attempt, "exit_code": None, "reason": "", "last_step": 0,
+        "started_at": started_at, "ended_at": None, "warnings": [],
+    }  # fmt: skip
+    store.write_status(cdir, status)
+    stop = stop or threading.Event()
+    with log.open("ab") as logf:
+        offset = logf.tell()
+        logf.write(f"==== zbench attempt {attempt} started {started_at}: {' '.join(command)}\n".encode())
+        logf.flush()
+        proc = subprocess.Popen(
+            list(command), cwd=cdir, env=child_env, stdin=subprocess.DEVNULL, stdout=logf,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    watch = _Watch(proc=proc, pgid=proc.pid, stop=stop, ray_marker=str(ray_dir))
+    _ACTIVE.add(watch)
+    try:
+        dog = threading.Thread(
+            target=_watchdog, name=f"zbench-watchdog-{cdir.name}", daemon=True,
+            args=(watch, cdir, case_timeout_s, step_timeout_s, kill_grace_s, poll_s, tick),
+        )  # fmt: skip
+        dog.start()
+        exit_code = proc.wait()
+        dog.join()
+        # The engine is gone; whatever it left behind (Ray daemons, stray workers) goes too.
+        kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
+    finally:
+        _ACTIVE.discard(watch)
+    log_text = _read_attempt_log(log, offset)
+    warnings: list[str] = []
+    state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings)
+    status.update(
+        status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),
+        ended_at=store.utc_now(), warnings=warnings,
+    )  # fmt: skip
+    store.write_status(cdir, status)
+    with log.open("ab") as logf:
+        logf.write(
+            f"==== zbench attempt {attempt} ended {status['ended_at']}: {state} ({_exit_text(exit_code)})\n".encode()
+        )
+    return Attempt(status, retryable, config_error)
+
+
+def run_case(
+    case_dir: str | os.PathLike[str],
+    command: Sequence[str],
+    env: Mapping[str, str] | None,
+    case_timeout_s: float | None,
+    step_timeout_s: float | None,
+    attempt: int,
+    *,
+    stop: threading.Event | None = None,
+    kill_grace_s: float = 10.0,
+    poll_s: float = 0.5,
+    tick: Ticker | None = None,
+) -> dict[str, Any]:
+    """Run one attempt of a case and return its status dict (also written to ``<case_dir>/status.json``).
+
+    ``command`` is the full argv (the case dir included where the command needs it); it runs with cwd
+    ``case_dir`` in its own process group, output appended to train.log. Setting ``stop`` kills the case and
+    marks it interrupted.
+    """
+    return run_attempt(
+        case_dir, command, env, case_timeout_s, step_timeout_s, attempt,
+        stop=stop, kill_grace_s=kill_grace_s, poll_s=poll_s, tick=tick,
+    ).status  # fmt: skip
+
+
+# Cases running in this process, so that a second signal can kill them at once.
+_ACTIVE: set[_Watch] = set()
+
+
+# ---------------------------------------------------------------- many cases
+
+
+class Progress(Protocol):
+    """What run_cases reports to (zbench.progress implements it)."""
+
+    def case_started(self, name: str, case_dir: Path, attempt: int, steps_target: int | None) -> None: ...
+
+    def poll(self) -> None: ...
+
+    def case_finished(self, name: str, status: Mapping[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How run_cases starts and supervises each case."""
+
+    command: tuple[str, ...] = (sys.executable, "-m", "zbench.engine")  # the case dir is appended
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment (runner profile)
+    case_timeout_s: float | None = None  # whole-case limit per attempt; None = no limit
+    step_timeout_s: float | None = None  # longest allowed silence of heartbeat/metrics; None = no limit
+    retries: int = 1  # extra attempts for transient failures (timeout, lost worker, NCCL/gloo errors)
+    kill_grace_s: float = 10.0  # SIGTERM → SIGKILL delay when stopping a case
+    poll_s: float = 0.5  # watchdog and progress poll interval
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        for name in ("case_timeout_s", "step_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 seconds or None (no limit), got {value}")
+
+
+class RunInterrupted(Exception):
+    """SIGINT/SIGTERM stopped a run; the CLI should exit with ``exit_code`` (130)."""
+
+    exit_code = INTERRUPTED_EXIT
+
+    def __init__(self, signum: int, statuses: list[dict[str, Any]]) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.statuses = statuses
+
+
+def _steps_target(config_text: str) -> int | None:
+    with contextlib.suppress(yaml.YAMLError):
+        cfg = yaml.safe_load(config_text)
+        if isinstance(cfg, dict) and isinstance(cfg.get("steps"), int):
+            return cfg["steps"]
+    return None
+
+
+def run_cases(
+    run_root: store.RunRoot,
+    cases: Sequence[tuple[str, str]],
+    options: LaunchOptions,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``cases`` — (name, config.yaml text) in matrix order — under the run root's lock.
+
+    Writes each case's config.yaml before it starts; skips cases already completed with the same config
+    (resume); retries transient failures up to ``options.retries`` times, never OOM or config errors; rewrites
+    summary.tsv after every case. On SIGINT/SIGTERM the running case is killed (whole group), marked
+    interrupted, the summary written, and RunInterrupted raised; a second signal kills at once.
+    """
+    stop = threading.Event()
+    caught: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        caught.append(signum)
+        stop.set()
+        if len(caught) > 1:  # impatient second signal: no grace period
+            for watch in list(_ACTIVE):
+                kill_processes(watch.pgid, watch.leftovers(), 0.0)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    statuses: list[dict[str, Any]] = []
+    tick: Callable[[], None] | None = progress.poll if progress is not None else None
+    try:
+        with run_root.lock("run"):
+            for name, config_text in cases:
+                if stop.is_set():
+                    break
+                cdir = run_root.case_dir(name)
+                cdir.mkdir(exist_ok=True)
+                config_path = cdir / store.CONFIG
+                old = store.read_status(cdir)
+                same_config = config_path.is_file() and config_path.read_text(encoding="utf-8") == config_text
+                if old and old.get("status") == "completed" and same_config:
+                    statuses.append(old)
+                    if progress is not None:
+                        progress.case_finished(name, old)
+                    continue
+                if not same_config:
+                    store.atomic_write_text(config_path, config_text)
+                attempt = int(old.get("attempt", 0)) if old else 0
+                for retry in range(options.retries + 1):
+                    attempt += 1
+                    if progress is not None:
+                        progress.case_started(name, cdir, attempt, _steps_target(config_text))
+                    outcome = run_attempt(
+                        cdir, [*options.command, str(cdir.resolve())], options.env, options.case_timeout_s,
+                        options.step_timeout_s, attempt, stop=stop, kill_grace_s=options.kill_grace_s,
+                        poll_s=options.poll_s, tick=tick,
+                    )  # fmt: skip
+                    if progress is not None:
+                        progress.case_finished(name, outcome.status)
+                    if not outcome.retryable or stop.is_set() or retry == options.retries:
+                        break
+                statuses.append(outcome.status)
+                run_root.write_summary()
+            run_root.write_summary()
+            run_root.update_manifest(ended_at=store.utc_now())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        raise RunInterrupted(caught[0], statuses)
+    return statuses
