@@ -128,7 +128,7 @@ class Ticker(Protocol):
     def __call__(self) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: kept in a set of active cases
 class _Watch:
     """Shared state between a running case, its watchdog thread and the signal handler."""
 
@@ -318,9 +318,9 @@ def run_attempt(
     store.write_status(cdir, status)
     stop = stop or threading.Event()
     with log.open("ab") as logf:
-        offset = logf.tell()
         logf.write(f"==== zbench attempt {attempt} started {started_at}: {' '.join(command)}\n".encode())
         logf.flush()
+        offset = logf.tell()
         proc = subprocess.Popen(
             list(command), cwd=cdir, env=child_env, stdin=subprocess.DEVNULL, stdout=logf,
             stderr=subprocess.STDOUT, start_new_session=True,

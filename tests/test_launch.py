@@ -1,0 +1,242 @@
+"""run_case / run_cases against small scripts that imitate the engine: real processes, real signals."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zbench import launch, store
+from zbench.progress import PlainProgress, make_progress
+from zbench.runner_profile import available_runners, load_runner_profile
+
+FAKE = Path(__file__).parent / "fake_cases"
+CONFIG = "name: x\nalgorithm: grpo\nseed: 1\nsteps: 3\nzero:\n  stage: 2\n  offload: none\n"
+
+
+def fake(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(FAKE / f"{script}.py"), *args]
+
+
+def run(tmp_path: Path, script: str, *args: str, **kw) -> dict:
+    cdir = tmp_path / "case"
+    cdir.mkdir(exist_ok=True)
+    (cdir / "config.yaml").write_text(CONFIG)
+    opts = {"case_timeout_s": None, "step_timeout_s": None, "attempt": 1, "kill_grace_s": 1.0, "poll_s": 0.1}
+    opts.update(kw)
+    return launch.run_case(cdir, fake(script, *args, str(cdir)), {}, **opts)
+
+
+def assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes still alive: {alive}")
+
+
+def test_completed(tmp_path: Path) -> None:
+    status = run(tmp_path, "ok")
+    assert status["status"] == "completed" and status["exit_code"] == 0 and status["last_step"] == 3
+    assert status == store.read_status(tmp_path / "case")
+    assert "step:3 - critic/score/mean:0.300" in (tmp_path / "case" / "train.log").read_text()
+
+
+def test_step_timeout_kills_hung_case(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    status = run(tmp_path, "hang", step_timeout_s=1.0)
+    assert status["status"] == "timeout" and "step timeout" in status["reason"]
+    assert status["last_step"] == 1 and time.monotonic() - t0 < 6
+
+
+def test_case_timeout(tmp_path: Path) -> None:
+    status = run(tmp_path, "slow", case_timeout_s=1.5, step_timeout_s=30.0)
+    assert status["status"] == "timeout" and "case timeout" in status["reason"]
+    assert status["last_step"] >= 2
+
+
+def test_crash_reason_is_the_exception_line(tmp_path: Path) -> None:
+    status = run(tmp_path, "crash")
+    assert status["status"] == "failed" and status["exit_code"] == 1
+    assert status["reason"] == "RuntimeError: shape mismatch in update_actor: [4, 8] vs [4, 9]"
+
+
+def test_cuda_oom(tmp_path: Path) -> None:
+    status = run(tmp_path, "cuda_oom")
+    assert status["status"] == "oom" and "CUDA out of memory" in status["reason"]
+
+
+def test_sigkill_after_memoryerror_is_oom(tmp_path: Path) -> None:
+    status = run(tmp_path, "sigkill_memoryerror")
+    assert status["status"] == "oom" and status["exit_code"] == -signal.SIGKILL
+
+
+def test_completed_then_abort_is_completed_with_warning(tmp_path: Path) -> None:
+    status = run(tmp_path, "complete_then_abort")
+    assert status["status"] == "completed" and status["exit_code"] == -signal.SIGABRT
+    assert len(status["warnings"]) == 1 and "SIGABRT" in status["warnings"][0]
+
+
+def test_leftover_daemons_are_killed(tmp_path: Path) -> None:
+    status = run(tmp_path, "spawner")
+    assert status["status"] == "completed"
+    pids = [int(p) for p in (tmp_path / "case" / "pids").read_text().split()]
+    assert_gone(pids)
+    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(tmp_path / "case")))
+
+
+def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
+    deep = tmp_path / ("x" * 60) / "zero3_cpu_offload"
+    assert len(str(launch.ray_tmpdir_for(deep))) <= 40
+    assert launch.ray_tmpdir_for(deep) == launch.ray_tmpdir_for(deep)
+
+
+def make_root(tmp_path: Path, names: list[str]) -> store.RunRoot:
+    class C:
+        def __init__(self, name: str) -> None:
+            self.name, self.overrides = name, {}
+
+    return store.RunRoot.create(
+        tmp_path,
+        "t",
+        matrix="m",
+        matrix_file=None,
+        seed=1,
+        steps=3,
+        cases=[C(n) for n in names],
+        environment={},
+    )
+
+
+def options(script: str, **kw) -> launch.LaunchOptions:
+    kw.setdefault("kill_grace_s", 1.0)
+    kw.setdefault("poll_s", 0.1)
+    return launch.LaunchOptions(command=tuple(fake(script)), **kw)
+
+
+def test_retries_only_transient_failures(tmp_path: Path) -> None:
+    root = make_root(tmp_path, ["a"])
+    [flaky] = launch.run_cases(root, [("a", CONFIG)], options("flaky", retries=1))
+    assert flaky["status"] == "completed" and flaky["attempt"] == 2
+    assert (root.path / "a" / "metrics.attempt1.jsonl").is_file()
+    assert [r["step"] for r in store.read_metrics(root.path / "a" / "metrics.jsonl").records] == [1, 2, 3]
+    for script, status in (("config_error", "failed"), ("cuda_oom", "oom")):
+        root = make_root(tmp_path / script, ["a"])
+        [st] = launch.run_cases(root, [("a", CONFIG)], options(script, retries=3))
+        assert st["status"] == status and st["attempt"] == 1, st
+    assert st["reason"].startswith("CUDA") or "OutOfMemoryError" in st["reason"]
+
+
+def test_config_error_reason(tmp_path: Path) -> None:
+    root = make_root(tmp_path, ["a"])
+    [st] = launch.run_cases(root, [("a", CONFIG)], options("config_error", retries=3))
+    assert st["status"] == "failed" and st["exit_code"] == 2 and st["attempt"] == 1
+    assert st["reason"].startswith("config error: ValueError: config.yaml: zero.offload")
+
+
+def test_run_cases_resume_skips_completed_and_writes_summary(tmp_path: Path) -> None:
+    root = make_root(tmp_path, ["a", "b"])
+    out = io.StringIO()
+    first = launch.run_cases(root, [("a", CONFIG), ("b", CONFIG)], options("ok"), PlainProgress([], out))
+    assert [s["status"] for s in first] == ["completed", "completed"]
+    assert "[a] step 3/3 score 0.300" in out.getvalue() and "[b] completed" in out.getvalue()
+    mtime = (root.path / "a" / "status.json").stat().st_mtime_ns
+    again = launch.run_cases(root, [("a", CONFIG), ("b", CONFIG)], options("crash"))
+    assert [s["status"] for s in again] == ["completed", "completed"]
+    assert (root.path / "a" / "status.json").stat().st_mtime_ns == mtime
+    rows = store.read_summary(root.path / "summary.tsv")
+    assert [(r["case"], r["status"], r["steps_completed"]) for r in rows] == [("a", "completed", "3")] * 1 + [
+        ("b", "completed", "3")
+    ]
+    assert root.manifest["ended_at"] and not (root.path / "lock").exists()
+
+
+def test_make_progress_plain_when_not_a_terminal() -> None:
+    assert isinstance(make_progress([("a", 3)], io.StringIO()), PlainProgress)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys
+    from zbench import launch, store
+    root = store.RunRoot.open(sys.argv[1])
+    opts = launch.LaunchOptions(command=(sys.executable, sys.argv[2], sys.argv[3]), kill_grace_s=float(sys.argv[4]),
+                                poll_s=0.1)
+    try:
+        launch.run_cases(root, [("a", open(sys.argv[5]).read()), ("b", open(sys.argv[5]).read())], opts)
+    except launch.RunInterrupted as e:
+        sys.exit(e.exit_code)
+    """
+)
+
+
+@pytest.mark.parametrize("mode,grace,signals", [("forever", 5.0, 1), ("ignore-term", 30.0, 2)])
+def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int) -> None:
+    root = make_root(tmp_path, ["a", "b"])
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(root.path), str(FAKE / "spawner.py"), mode, str(grace), str(cfg)]
+    )
+    cdir = root.path / "a"
+    deadline = time.monotonic() + 20
+    while not ((cdir / "pids").exists() and (cdir / "metrics.jsonl").exists()):
+        assert time.monotonic() < deadline and driver.poll() is None, "case never started"
+        time.sleep(0.1)
+    pids = [int(p) for p in (cdir / "pids").read_text().split()]
+    engine = [p.pid for p in psutil.Process(driver.pid).children()]
+    t0 = time.monotonic()
+    for _ in range(signals):
+        driver.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+    assert driver.wait(timeout=15) == 130
+    assert time.monotonic() - t0 < grace  # a second SIGINT does not wait out the grace period
+    assert_gone(pids + engine)
+    assert store.read_status(cdir)["status"] == "interrupted"
+    assert store.read_status(root.path / "b") is None
+    rows = store.read_summary(root.path / "summary.tsv")
+    assert [(r["case"], r["status"]) for r in rows] == [("a", "interrupted"), ("b", "pending")]
+    assert not (root.path / "lock").exists()
+
+
+def test_runner_profiles(tmp_path: Path) -> None:
+    assert {"local", "ray"} <= set(available_runners())
+    local = load_runner_profile("local")
+    assert local.case_env()["ZBENCH_RAY_ADDRESS"] == "" and local.case_env()["ZBENCH_NUM_WORKERS"] == ""
+    assert local.command()[1:] == ("-m", "zbench.engine")
+    assert load_runner_profile("ray").case_env()["ZBENCH_RAY_ADDRESS"] == "auto"
+    with pytest.raises(ValueError, match=r"unknown runner profile 'rey' \(did you mean 'ray'\?\)"):
+        load_runner_profile("rey")
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("ray_adress: auto\n")
+    with pytest.raises(
+        ValueError, match=r"mine.yaml: unknown key 'ray_adress' \(did you mean 'ray_address'\?\)"
+    ):
+        load_runner_profile(str(bad))
+    bad.write_text("ray_address: 'http//x'\nnum_workers: 4\nenv: {NCCL_DEBUG: INFO}\n")
+    with pytest.raises(ValueError, match="ray_address 'http//x' is not valid"):
+        load_runner_profile(str(bad))
+    bad.write_text("ray_address: 10.0.0.1:6379\nnum_workers: 4\nenv: {NCCL_DEBUG: INFO}\n")
+    env = load_runner_profile(str(bad)).case_env()
+    assert env == {"NCCL_DEBUG": "INFO", "ZBENCH_RAY_ADDRESS": "10.0.0.1:6379", "ZBENCH_NUM_WORKERS": "4"}
+
+
+def test_status_json_keys(tmp_path: Path) -> None:
+    status = json.loads(json.dumps(run(tmp_path, "ok")))
+    assert set(status) == {
+        "status", "attempt", "exit_code", "reason", "last_step", "started_at", "ended_at", "warnings",
+    }  # fmt: skip
+    assert os.path.basename(store.SUMMARY) == "summary.tsv"
