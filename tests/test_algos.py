@@ -1,0 +1,163 @@
+"""The PPO / GRPO tensor functions against values worked out by hand in each test."""
+
+import math
+
+import pytest
+import torch
+
+from zbench.engine import algos
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+
+
+def test_masked_mean_ignores_padding_and_empty_masks():
+    x = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    close(algos.masked_mean(x, mask), 2.0)
+    close(algos.masked_mean(x, mask, dim=-1), [1.5, 3.0])
+    close(algos.masked_mean(x, torch.zeros_like(mask)), 0.0)
+
+
+def test_masked_whiten_unbiased_and_shift_mean():
+    x = torch.tensor([2.0, 4.0, 6.0, 50.0])
+    mask = torch.tensor([1, 1, 1, 0])
+    # mean 4, Bessel-corrected variance (4 + 0 + 4) / 2 = 4, std 2
+    close(algos.masked_whiten(x, mask)[:3], [-1.0, 0.0, 1.0], atol=1e-4)
+    close(algos.masked_whiten(x, mask, shift_mean=False)[:3], [3.0, 4.0, 5.0], atol=1e-4)
+
+
+def test_gae_by_hand_with_padding():
+    rewards = torch.tensor([[0.0, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.2, 9.0]])  # 9.0 sits on padding and must not be bootstrapped
+    mask = torch.tensor([[1, 1, 0]])
+    adv, ret = algos.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    # t=1: delta = 1 + 0.9*0 - 0.2 = 0.8;  t=0: delta = 0 + 0.9*0.2 - 0.5 = -0.32, A = -0.32 + 0.72*0.8 = 0.256
+    close(adv, [[0.256, 0.8, 0.0]])
+    close(ret, [[0.756, 1.0, 0.0]])
+    whitened, ret_w = algos.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # two valid values whiten to -+1/sqrt(2) with the unbiased variance; returns are not whitened
+    close(whitened, [[-math.sqrt(0.5), math.sqrt(0.5), 0.0]], atol=1e-4)
+    close(ret_w, ret)
+
+
+def test_gae_gamma_lambda_one_is_reward_to_go_minus_value():
+    rewards = torch.tensor([[1.0, 2.0, 3.0]])
+    values = torch.tensor([[1.0, 1.0, 1.0]])
+    adv, ret = algos.compute_gae(rewards, values, torch.ones(1, 3), gamma=1.0, lam=1.0, whiten=False)
+    close(ret, [[6.0, 5.0, 3.0]])
+    close(adv, [[5.0, 4.0, 2.0]])
+
+
+def test_grpo_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5])
+    groups = torch.tensor([7, 7, 3, 3, 9])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [0, 1]])
+    adv, ret = algos.compute_grpo_advantages(scores, groups, mask, eps=1e-6)
+    s = 0.5 / math.sqrt(0.5)  # group 7: mean 0.5, unbiased std sqrt(0.5)
+    expected = [[s, s], [-s, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.5 / (1 + 1e-6)]]
+    close(adv, expected, atol=1e-4)  # equal scores give 0; a single sample keeps its raw score
+    close(ret, adv)
+    adv_raw, _ = algos.compute_grpo_advantages(scores, groups, mask, norm_by_std=False)
+    close(adv_raw, [[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.5]])
+
+
+def test_kl_estimators_by_hand():
+    lp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    close(algos.kl_penalty(lp, ref, "k1"), [0.5])
+    close(algos.kl_penalty(lp, ref, "kl"), [0.5])
+    close(algos.kl_penalty(lp, ref, "abs"), [0.5])
+    close(algos.kl_penalty(lp, ref, "k2"), [0.125])
+    close(algos.kl_penalty(lp, ref, "mse"), [0.125])
+    k3 = math.exp(-0.5) + 0.5 - 1  # r - log r - 1 with log r = ref - lp = -0.5
+    close(algos.kl_penalty(lp, ref, "k3"), [k3])
+    close(algos.kl_penalty(lp, ref, "low_var_kl"), [k3])
+    close(algos.kl_penalty(ref, lp, "abs"), [0.5])
+
+
+def test_k3_is_clamped_and_finite():
+    far = algos.kl_penalty(torch.tensor([0.0, -30.0]), torch.tensor([-30.0, 0.0]), "low_var_kl")
+    close(far, [10.0, 10.0])
+    with pytest.raises(ValueError, match="low_var_kl"):
+        algos.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_policy_loss_by_hand():
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, clipfrac, ppo_kl = algos.policy_loss(torch.zeros(1, 4), ratio.log(), adv, mask, 0.2, 0.2)
+    # per token: max(-1.5, -1.2) = -1.2 (clipped), max(-0.5, -0.8) = -0.5, max(1.1, 1.1) = 1.1; 4th masked
+    close(loss, (-1.2 - 0.5 + 1.1) / 3)
+    close(clipfrac, 1 / 3)
+    close(ppo_kl, -(math.log(1.5) + math.log(0.5) + math.log(1.1)) / 3)
+
+
+def test_policy_loss_asymmetric_clip():
+    ratio = torch.tensor([[1.25]])
+    loss, clipfrac, _ = algos.policy_loss(torch.zeros(1, 1), ratio.log(), torch.ones(1, 1), torch.ones(1, 1),
+                                          0.2, 0.28)
+    close(loss, -1.25)  # inside the wider upper bound: not clipped
+    close(clipfrac, 0.0)
+
+
+def test_policy_loss_dual_clip_bounds_negative_advantages():
+    ratio = torch.tensor([[5.0, 5.0]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    args = (torch.zeros(1, 2), ratio.log(), adv, torch.ones(1, 2), 0.2, 0.2)
+    plain, _, _ = algos.policy_loss(*args)
+    dual, _, _ = algos.policy_loss(*args, clip_ratio_c=3.0)
+    close(plain, (5.0 - 1.2) / 2)  # A<0: max(5, 1.2) = 5;  A>0: max(-5, -1.2) = -1.2
+    close(dual, (3.0 - 1.2) / 2)  # A<0 capped at -A*c = 3; A>0 untouched
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        algos.policy_loss(*args, clip_ratio_c=1.0)
+
+
+def test_value_loss_by_hand():
+    values = torch.tensor([[1.0, 2.0, 7.0]])
+    old = torch.tensor([[0.5, 2.0, 0.0]])
+    returns = torch.tensor([[2.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, clipfrac = algos.value_loss(values, old, returns, mask, cliprange_value=0.2)
+    # token 0: clipped value 0.7, max((1-2)^2, (0.7-2)^2) = 1.69 (clipped active); token 1: 1.0
+    close(loss, 0.5 * (1.69 + 1.0) / 2)
+    close(clipfrac, 0.5)
+
+
+def test_entropy_from_logits():
+    p = torch.tensor([0.5, 0.25, 0.25])
+    logits = torch.stack([p.log() + 3.0, torch.zeros(3)])  # a constant shift leaves the distribution alone
+    ent = algos.entropy_from_logits(logits)
+    close(ent, [1.5 * math.log(2), math.log(3)])
+    assert algos.entropy_from_logits(logits.bfloat16()).dtype == torch.float32
+
+
+def test_logprobs_from_logits_float_and_bf16():
+    p = torch.tensor([0.5, 0.25, 0.25])
+    logits = (p.log() + 1.0).expand(2, 3, 3).clone()
+    labels = torch.tensor([[0, 1, 2], [2, 2, 0]])
+    lp = algos.logprobs_from_logits(logits, labels)
+    close(lp, p.log()[labels])
+    lp16 = algos.logprobs_from_logits(logits.bfloat16(), labels)
+    assert lp16.dtype == torch.float32 and lp16.shape == labels.shape
+    close(lp16, torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, labels[..., None])[..., 0])
+    close(algos.logprobs_from_logits(logits[0], labels[0]), p.log()[labels[0]])
+
+
+def test_apply_kl_in_reward_by_hand():
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    lp = torch.full((2, 3), -1.0)
+    ref = torch.tensor([[-1.5, -1.0, -2.0], [-1.0, -1.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards, kl_mean = algos.apply_kl_in_reward(scores, lp, ref, mask, kl_coef=0.1, kind="k1")
+    # k1 = lp - ref = [[.5, 0, 1], [0, .5, (masked)]]
+    close(rewards, [[-0.05, 0.0, 0.9], [0.0, 1.95, 0.0]])
+    close(kl_mean, (1.5 / 3 + 0.5 / 2) / 2)
+
+
+def test_outcome_to_token_scores_last_valid_token():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    out = algos.outcome_to_token_scores(torch.tensor([1.0, 2.0, 3.0]), mask)
+    close(out, [[0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
