@@ -1,0 +1,222 @@
+"""Run roots on disk: names, manifest, metrics reading, summary rows, atomic summary, lock, environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from zbench import store
+from zbench.store import RunRoot
+
+
+class Case:
+    def __init__(self, name: str, overrides: dict | None = None) -> None:
+        self.name, self.overrides = name, overrides or {}
+
+
+def make_root(tmp_path: Path, names=("zero2_cpu_offload", "zero3"), **kw) -> RunRoot:
+    kw = {"matrix": "six-case", "matrix_file": "matrices/six-case.yaml", "seed": 7, "steps": 3,
+          "environment": {}, **kw}  # fmt: skip
+    return RunRoot.create(
+        tmp_path / "results", "six-case_3_seed7", cases=[Case(n, {"zero.stage": 2}) for n in names], **kw
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", ["", ".", "..", "a/b", "/abs", "../up", "a..b", "a b", ".hidden", "-x", "é", "x" * 200]
+)
+def test_bad_tags_and_case_names_are_rejected(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match=r"invalid tag .* use 1-128 characters"):
+        RunRoot.create(tmp_path, bad, matrix="m", matrix_file=None, seed=1, steps=1, cases=[], environment={})
+    with pytest.raises(ValueError, match=r"invalid case name"):
+        make_root(tmp_path, names=["ok", bad])
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
+def test_create_and_open(tmp_path: Path) -> None:
+    root = make_root(tmp_path, command=["zbench", "run", "six-case"])
+    assert root.path.parent == tmp_path / "results"
+    assert (
+        root.path.name.startswith("six-case_3_seed7_")
+        and len(root.path.name) == len("six-case_3_seed7_") + 15
+    )
+    m = root.manifest
+    for key in ("zbench_version", "matrix", "matrix_file", "tag", "seed", "steps", "command", "cases", "git",
+                "versions", "gpus", "host", "runner", "started_at", "ended_at"):  # fmt: skip
+        assert key in m, key
+    assert m["cases"][0] == {
+        "name": "zero2_cpu_offload",
+        "dir": "zero2_cpu_offload",
+        "overrides": {"zero.stage": 2},
+    }
+    assert root.case_names() == ["zero2_cpu_offload", "zero3"] and (root.path / "zero3").is_dir()
+    assert RunRoot.open(root.path).update_manifest(ended_at="x")["ended_at"] == "x"
+    second = make_root(tmp_path)  # same second: a fresh directory, never a shared one
+    assert second.path != root.path
+    with pytest.raises(store.StoreError, match="does not exist"):
+        RunRoot.open(tmp_path / "nope")
+    with pytest.raises(store.StoreError, match=r"is not a run root: it has no manifest\.json"):
+        RunRoot.open(tmp_path)
+    with pytest.raises(ValueError, match="duplicate case names"):
+        make_root(tmp_path, names=["a", "a"])
+
+
+def test_read_metrics_skips_torn_last_line(tmp_path: Path) -> None:
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')
+    records, skipped = store.read_metrics(p)
+    assert [r["step"] for r in records] == [1, 2] and skipped == 1
+    assert store.read_metrics(tmp_path / "absent.jsonl") == ([], 0)
+
+
+def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str = "completed", config_extra: str = "",
+               ended_at: str = "2026-01-01T00:00:00Z", gpu: bool = False) -> None:  # fmt: skip
+    cdir.mkdir(parents=True, exist_ok=True)
+    (cdir / "config.yaml").write_text(
+        f"name: {cdir.name}\nalgorithm: {algorithm}\nseed: 7\nsteps: {steps}\n"
+        f"zero:\n  stage: 2\n  offload: cpu\nrollout:\n  backend: hf\n{config_extra}"
+    )
+    with (cdir / "metrics.jsonl").open("w") as f:
+        for n in range(1, steps + 1):
+            rec = {"step": n, "time": 0.0, "critic/score/mean": [0.2, 0.5, 0.4][n - 1], "timing_s/step": [9.0, 2.0, 4.0][n - 1],
+                   "perf/throughput": [1.0, 10.0, 20.0][n - 1], "critic/vf_loss": 3.0 / n, "actor/pg_loss": -1.0 / n,
+                   "perf/cpu_memory_used_gb": 1.0 + n}  # fmt: skip
+            if gpu:
+                rec["perf/max_memory_allocated_gb"] = 10.0 * n
+            f.write(json.dumps(rec) + "\n")
+    store.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0, "reason": "", "last_step": steps,
+                              "started_at": ended_at, "ended_at": ended_at, "warnings": []})  # fmt: skip
+    if status == "completed":
+        store.atomic_write_json(cdir / "result.json", {"steps_completed": steps, "steps_target": steps,
+            "offload_effective": "optimizer", "rollout_backend": "hf", "world_size": 2, "wall_s": 15.5})  # fmt: skip
+
+
+def test_summary_rows(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    write_case(root.path / "zero2_cpu_offload", "ppo")
+    write_case(root.path / "zero3", "grpo", gpu=True)
+    with (root.path / "zero3" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "critic/sco')  # a torn line must not break the summary
+    path = root.write_summary()
+    lines = path.read_text().splitlines()
+    assert lines[0].split("\t") == list(store.SUMMARY_COLUMNS)
+    assert lines[0] == (
+        "case\talgorithm\tzero_stage\toffload\toffload_effective\trollout_backend\tworld_size\tseed\tstatus\t"
+        "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
+        "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
+        "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash"
+    )
+    ppo, grpo = store.read_summary(path)
+    assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
+    assert ppo["offload"] == "cpu" and ppo["offload_effective"] == "optimizer" and ppo["world_size"] == "2"
+    assert ppo["step_time_mean_s"] == "3" and ppo["throughput_mean"] == "15"  # steps 2..N only
+    assert ppo["score_first"] == "0.2" and ppo["score_last"] == "0.4" and ppo["score_max"] == "0.5"
+    assert ppo["loss_last"] == "1" and grpo["loss_last"] == "-0.333333"  # vf_loss for PPO, pg_loss for GRPO
+    assert ppo["max_memory_allocated_gb"] == "" and ppo["mfu_mean"] == "" and ppo["cpu_memory_used_gb"] == "4"
+    assert grpo["max_memory_allocated_gb"] == "30"
+    text = (root.path / "zero3" / "config.yaml").read_text()
+    assert grpo["config_hash"] == store.config_hash(text) and len(grpo["config_hash"]) == 12
+    assert (
+        ppo["case_dir"] == "zero2_cpu_offload"
+        and ppo["steps_completed"] == "3"
+        and ppo["status"] == "completed"
+    )
+
+
+def test_summary_of_unstarted_case_and_single_step(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    write_case(root.path / "zero3", "grpo", steps=1, status="failed")
+    pending, one = root.summary_rows()
+    assert pending["status"] == "pending" and pending["config_hash"] == "" and pending["reason"] == ""
+    assert one["step_time_mean_s"] == "9" and one["steps_completed"] == "1" and one["steps_target"] == "1"
+
+
+def test_summary_is_replaced_atomically(tmp_path: Path) -> None:
+    root = make_root(tmp_path, names=[f"c{i}" for i in range(30)])
+    for i in range(30):
+        write_case(root.path / f"c{i}")
+    path = root.write_summary()
+    inode = path.stat().st_ino
+    complete = path.read_text()
+    seen: list[str] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        while not done.is_set():
+            seen.append(path.read_text())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for _ in range(20):
+        root.write_summary()
+    done.set()
+    t.join()
+    assert seen and all(text == complete for text in seen)  # never a partial file
+    assert path.stat().st_ino != inode  # a new file moved into place, not rewritten in place
+    assert sorted(p.name for p in root.path.iterdir() if p.is_file()) == ["manifest.json", "summary.tsv"]
+
+
+HOLDER = """
+import sys, time
+from zbench.store import RunRoot
+with RunRoot.open(sys.argv[1]).lock("run"):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_lock_refuses_live_holder_and_takes_over_stale(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root.path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(store.LockError, match=rf"in use by pid {holder.pid} on host"):
+            root.lock("resume").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without releasing: its lock is stale and is taken over.
+    assert json.loads((root.path / "lock").read_text())["pid"] == holder.pid
+    with root.lock("resume") as lock:
+        info = json.loads(lock.path.read_text())
+        assert info["pid"] == os.getpid() and info["command"] == "resume" and info["host"]
+        with pytest.raises(store.LockError, match=f"pid {os.getpid()}"):
+            root.lock().acquire()
+    assert not (root.path / "lock").exists()
+
+
+def test_write_status_rejects_unknown_status(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"status 'done' is not one of \('pending'"):
+        store.write_status(tmp_path, {"status": "done"})
+    assert store.read_status(tmp_path) is None
+
+
+def test_collect_environment() -> None:
+    t0 = time.monotonic()
+    env = store.collect_environment()
+    assert time.monotonic() - t0 < 10
+    assert env["versions"]["python"] == sys.version.split()[0]
+    assert set(env["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm"}
+    assert isinstance(env["gpus"], list) and env["host"] and set(env["git"]) == {"commit", "dirty"}
+    probe = "import sys; from zbench.store import collect_environment; collect_environment(); print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    assert "'torch'" not in loaded and "'deepspeed'" not in loaded and "'ray'" not in loaded  # metadata only
+
+
+def test_deepspeed_op_compatibility() -> None:
+    pytest.importorskip("deepspeed")
+    compat = subprocess.run(
+        [sys.executable, "-c", "import json; from zbench.store import deepspeed_op_compatibility as c; print(json.dumps(c()))"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    ops = json.loads(compat.stdout.strip().splitlines()[-1])
+    assert "cpu_adam" in ops and all(isinstance(v, bool) for v in ops.values())
