@@ -240,3 +240,40 @@ def test_status_json_keys(tmp_path: Path) -> None:
         "status", "attempt", "exit_code", "reason", "last_step", "started_at", "ended_at", "warnings",
     }  # fmt: skip
     assert os.path.basename(store.SUMMARY) == "summary.tsv"
+
+
+def test_reason_and_patterns() -> None:
+    log = 'x\n(WorkerDict pid=12) Traceback (most recent call last):\n(WorkerDict pid=12) ray.exceptions.RayTaskError: "boom"\nbye\n'
+    assert launch.reason_from_log(log) == 'ray.exceptions.RayTaskError: "boom"'
+    assert launch.reason_from_log("just a line\n\n") == "just a line"
+    assert launch.TRANSIENT_PATTERNS.search("torch.distributed.DistBackendError: NCCL error: remote error")
+    assert launch.TRANSIENT_PATTERNS.search("[E] Gloo connectFullMesh failed: Connection reset by peer")
+    assert not launch.TRANSIENT_PATTERNS.search("initialising gloo process group, connected 2 ranks")
+    assert launch.OOM_PATTERNS.search("Task was killed due to the node running low on memory.")
+
+
+def test_options_for_profile() -> None:
+    opts = launch.options_for_profile(load_runner_profile("ray"), step_timeout_s=60, retries=0)
+    assert opts.env["ZBENCH_RAY_ADDRESS"] == "auto" and opts.command[-2:] == ("-m", "zbench.engine")
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        launch.LaunchOptions(step_timeout_s=0)
+
+
+def test_live_progress_table(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from zbench.progress import LiveProgress
+
+    cdir = tmp_path / "a"
+    cdir.mkdir()
+    (cdir / "metrics.jsonl").write_text(
+        '{"step": 1, "critic/score/mean": 0.25, "perf/throughput": 12.5, "perf/cpu_memory_used_gb": 3.5}\n{"step": 2'
+    )
+    out = io.StringIO()
+    progress = LiveProgress([("a", 4), ("b", 4)], Console(file=out, force_terminal=True, width=120))
+    progress.case_started("a", cdir, 1, 4)
+    progress.poll()
+    console = Console(file=io.StringIO(), width=120)
+    console.print(progress.table())
+    text = console.file.getvalue()
+    assert "1/4" in text and "0.250" in text and "12.5" in text and "3.50" in text and "pending" in text

@@ -102,6 +102,8 @@ def test_summary_rows(tmp_path: Path) -> None:
     root = make_root(tmp_path)
     write_case(root.path / "zero2_cpu_offload", "ppo")
     write_case(root.path / "zero3", "grpo", gpu=True)
+    status = store.read_status(root.path / "zero3")
+    store.write_status(root.path / "zero3", {**status, "reason": 'ValueError: "x"\tin\nzero.stage'})
     with (root.path / "zero3" / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "critic/sco')  # a torn line must not break the summary
     path = root.write_summary()
@@ -120,7 +122,7 @@ def test_summary_rows(tmp_path: Path) -> None:
     assert ppo["score_first"] == "0.2" and ppo["score_last"] == "0.4" and ppo["score_max"] == "0.5"
     assert ppo["loss_last"] == "1" and grpo["loss_last"] == "-0.333333"  # vf_loss for PPO, pg_loss for GRPO
     assert ppo["max_memory_allocated_gb"] == "" and ppo["mfu_mean"] == "" and ppo["cpu_memory_used_gb"] == "4"
-    assert grpo["max_memory_allocated_gb"] == "30"
+    assert grpo["max_memory_allocated_gb"] == "30" and grpo["reason"] == 'ValueError: "x" in zero.stage'
     text = (root.path / "zero3" / "config.yaml").read_text()
     assert grpo["config_hash"] == store.config_hash(text) and len(grpo["config_hash"]) == 12
     assert (

@@ -30,19 +30,23 @@ import psutil
 import yaml
 
 from zbench import store
+from zbench.runner_profile import RunnerProfile
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
 INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
 
 OOM_PATTERNS = re.compile(
-    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|memory monitor"
-    r"|running low on memory|Cannot allocate memory"
+    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory"
+    # Ray's memory monitor killing a worker
+    r"|running low on memory|exceeds the memory usage threshold"
 )
-# A lost worker or a broken collective: worth one more attempt.
+# A lost worker or a broken collective near the end of the log: worth another attempt.
 TRANSIENT_PATTERNS = re.compile(
     r"ActorDiedError|RayActorError|ActorUnavailableError|WorkerCrashedError|NodeDiedError"
-    r"|(?i:(?:nccl|gloo)[^\n]*(?:connect|reset|refused|closed|timed? ?out|broken pipe|remote error|system error))"
+    r"|(?i:(?:nccl|gloo)[^\n]*(?:connection (?:reset|refused|closed)|connect(?:ion)? (?:failed|timed out)"
+    r"|timed out|broken pipe|remote error|system error))"
 )
+_TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
 EXCEPTION_LINE = re.compile(
     r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Died)\b.*)$"
@@ -274,7 +278,8 @@ def _classify(
         reason = (
             "killed by SIGKILL without an OOM message in train.log (check the kernel log for the OOM killer)"
         )
-    retryable = bool(TRANSIENT_PATTERNS.search(log_text))
+    tail = "\n".join(log_text.splitlines()[-_TRANSIENT_TAIL_LINES:])
+    retryable = bool(TRANSIENT_PATTERNS.search(tail))
     return "failed", reason or _exit_text(exit_code), retryable, False
 
 
@@ -415,6 +420,20 @@ class LaunchOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 seconds or None (no limit), got {value}")
+
+
+def options_for_profile(
+    profile: RunnerProfile,
+    *,
+    case_timeout_s: float | None = None,
+    step_timeout_s: float | None = None,
+    retries: int = 1,
+) -> LaunchOptions:
+    """LaunchOptions that start cases the way a runner profile says (its interpreter and environment)."""
+    return LaunchOptions(
+        command=profile.command(), env=profile.case_env(), case_timeout_s=case_timeout_s,
+        step_timeout_s=step_timeout_s, retries=retries,
+    )  # fmt: skip
 
 
 class RunInterrupted(Exception):

@@ -189,11 +189,14 @@ class PlainProgress(RunProgress):
         v.new_records.clear()
 
     def _on_end(self, v: CaseView, status: Mapping[str, Any]) -> None:
+        if v.started is None:
+            self._say(f"[{v.name}] already {v.status} (attempt {v.attempt}): skipped")
+            return
         tail = f": {v.reason}" if v.reason else ""
         warn = "; ".join(status.get("warnings") or [])
         self._say(
             f"[{v.name}] {v.status} (step {v.step}/{v.steps_target or '?'}, attempt {v.attempt}, "
-            f"{_dur(v.elapsed()) or 'skipped'}){tail}" + (f" [warning: {warn}]" if warn else "")
+            f"{_dur(v.elapsed())}){tail}" + (f" [warning: {warn}]" if warn else "")
         )
 
 

@@ -11,9 +11,7 @@ Every file written here goes through a temporary file and ``os.replace``, so a r
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
-import io
 import json
 import math
 import os
@@ -23,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -290,15 +288,10 @@ def case_summary_row(
 
 def write_summary(path: str | os.PathLike[str], rows: Sequence[Mapping[str, str]]) -> None:
     """Write rows as a TSV with SUMMARY_COLUMNS, atomically (tmp + os.replace)."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(
-        buf, fieldnames=SUMMARY_COLUMNS, delimiter="\t", lineterminator="\n", quoting=csv.QUOTE_NONE,
-        escapechar=None, extrasaction="raise",
-    )  # fmt: skip
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _fmt(row.get(k)) for k in SUMMARY_COLUMNS})
-    atomic_write_text(path, buf.getvalue())
+    # Cells hold no tabs or newlines (_fmt folds whitespace), so plain joins are a faithful TSV.
+    lines = ["\t".join(SUMMARY_COLUMNS)]
+    lines += ["\t".join(_fmt(row.get(k)) for k in SUMMARY_COLUMNS) for row in rows]
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def read_summary(path: str | os.PathLike[str]) -> list[dict[str, str]]:
@@ -700,7 +693,10 @@ def ray_cluster_status(address: str, timeout_s: float = 60.0) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def iter_case_dirs(root: RunRoot) -> Iterator[tuple[str, Path]]:
-    """(name, directory) of each case in matrix order."""
-    for c in root.manifest["cases"]:
-        yield c["name"], root.path / (c.get("dir") or c["name"])
+def environment_report(ray_address: str | None = None) -> dict[str, Any]:
+    """Everything ``zbench env`` prints: collect_environment (GPUs via torch), DeepSpeed ops, Ray cluster."""
+    report = collect_environment(probe_torch=True)
+    report["deepspeed_ops"] = deepspeed_op_compatibility()
+    if ray_address:
+        report["ray"] = ray_cluster_status(ray_address)
+    return report
