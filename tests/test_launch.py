@@ -101,7 +101,23 @@ def test_leftover_daemons_are_killed(tmp_path: Path) -> None:
 def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
     deep = tmp_path / ("x" * 60) / "zero3_cpu_offload"
     assert len(str(launch.ray_tmpdir_for(deep))) <= 40
-    assert launch.ray_tmpdir_for(deep) == launch.ray_tmpdir_for(deep)
+    assert launch.ray_tmpdir_for(deep) == launch.ray_tmpdir_for(deep) != launch.ray_tmpdir_for(tmp_path)
+
+
+def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path) -> None:
+    cdir = tmp_path / "case"
+    cdir.mkdir()
+    marker = tmp_path / "elsewhere-ray"
+    (cdir / launch.RAY_TMPDIR_FILE).write_text(f"{marker}\n")
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", f"--temp-dir={marker}"], start_new_session=True
+    )
+    try:
+        status = launch.run_case(cdir, fake("ok", str(cdir)), {}, None, None, 1, kill_grace_s=1.0, poll_s=0.1)
+        assert status["status"] == "completed"
+        assert daemon.wait(timeout=5) is not None
+    finally:
+        daemon.kill()
 
 
 def make_root(tmp_path: Path, names: list[str]) -> store.RunRoot:

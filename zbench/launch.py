@@ -4,8 +4,8 @@ Each case runs as ``<command> <case_dir>`` (normally ``python -m zbench.engine <
 with stdout and stderr appended to ``<case_dir>/train.log``. A watchdog thread kills the whole process group
 when the heartbeat stalls (step timeout) or the case runs too long (case timeout). Ray daemonizes its raylet and
 GCS out of that group, so after every case any process whose command line mentions the case's Ray temp dir
-(``ZBENCH_RAY_TMPDIR``, set here, used by the engine) is killed as well, together with every descendant the
-watchdog saw while the case ran.
+(``ZBENCH_RAY_TMPDIR``, set here, or the one the engine recorded in ``<case_dir>/ray_tmpdir``) is killed as
+well, with its descendants and every descendant of the case the watchdog saw while it ran.
 """
 
 from __future__ import annotations
@@ -55,18 +55,27 @@ EXCEPTION_LINE = re.compile(
 _LOG_SCAN_BYTES = 4 << 20  # classify from the last 4 MiB of an attempt's log
 
 
-def ray_tmpdir_for(case_dir: Path) -> Path:
-    """The Ray temp dir a case's engine must use: ``<case_dir>/.ray`` when short enough, else under /tmp.
+RAY_TMPDIR_FILE = "ray_tmpdir"  # <case_dir>/ray_tmpdir: the Ray temp dir the engine actually used
 
-    Ray puts unix sockets at ``<tmp>/session_<date>_<pid>/sockets/...`` and the OS caps socket paths at 107
-    bytes, so deep case dirs get ``<tmp>/zbench-ray-<hash>`` instead (hash of the case dir, stable per case).
+
+def ray_tmpdir_for(case_dir: Path) -> Path:
+    """The Ray temp dir of a case, passed to the engine as ``ZBENCH_RAY_TMPDIR``: ``<tmp>/zbench-ray-<hash>``.
+
+    Not inside the case dir: Ray puts unix sockets at ``<tmp>/session_<date>_<pid>/sockets/...`` and the OS
+    caps socket paths at 107 bytes. The hash (sha1 of the resolved case dir) makes it stable per case.
     """
-    case_dir = case_dir.resolve()
-    inside = case_dir / ".ray"
-    if len(str(inside)) <= 40:
-        return inside
-    digest = hashlib.sha256(str(case_dir).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(str(case_dir.resolve()).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+
+
+def ray_markers(case_dir: Path) -> list[str]:
+    """Strings whose presence in a command line marks a process as Ray started by this case."""
+    markers = {str(ray_tmpdir_for(case_dir))}
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        recorded = (case_dir / RAY_TMPDIR_FILE).read_text(encoding="utf-8").strip()
+        if len(recorded) > 8:  # never a marker so short that it matches unrelated processes
+            markers.add(recorded)
+    return sorted(markers)
 
 
 # ---------------------------------------------------------------- killing
@@ -81,13 +90,14 @@ def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def processes_mentioning(marker: str) -> list[psutil.Process]:
-    """Processes (other than this one) whose command line contains ``marker``."""
+def processes_mentioning(*markers: str) -> list[psutil.Process]:
+    """Processes (other than this one) whose command line contains one of ``markers``."""
     found = []
     me = os.getpid()
     for p in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if p.info["pid"] != me and any(marker in arg for arg in p.info["cmdline"] or ()):
+            args = p.info["cmdline"] or ()
+            if p.info["pid"] != me and any(m in arg for arg in args for m in markers):
                 found.append(p)
     return found
 
@@ -139,7 +149,7 @@ class _Watch:
     proc: subprocess.Popen[bytes]
     pgid: int
     stop: threading.Event
-    ray_marker: str
+    case_dir: Path
     seen: dict[int, psutil.Process] = field(default_factory=dict)
     fired: str | None = None  # "step timeout ..." / "case timeout ..." when the watchdog killed the case
     interrupted: bool = False
@@ -150,7 +160,12 @@ class _Watch:
                 self.seen.setdefault(child.pid, child)
 
     def leftovers(self) -> list[psutil.Process]:
-        return _alive([*self.seen.values(), *processes_mentioning(self.ray_marker)])
+        ray = processes_mentioning(*ray_markers(self.case_dir))
+        for p in list(ray):
+            # Ray workers retitle themselves (ray::Worker...): reach them through their raylet.
+            with contextlib.suppress(psutil.Error):
+                ray.extend(p.children(recursive=True))
+        return _alive([*self.seen.values(), *ray])
 
 
 def _heartbeat_mtime(case_dir: Path) -> float | None:
@@ -330,7 +345,7 @@ def run_attempt(
             list(command), cwd=cdir, env=child_env, stdin=subprocess.DEVNULL, stdout=logf,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    watch = _Watch(proc=proc, pgid=proc.pid, stop=stop, ray_marker=str(ray_dir))
+    watch = _Watch(proc=proc, pgid=proc.pid, stop=stop, case_dir=cdir)
     _ACTIVE.add(watch)
     try:
         dog = threading.Thread(
