@@ -1,0 +1,1 @@
+"""The bundled PPO/GRPO engine: Ray placement, DeepSpeed actor and critic, Hugging Face rollout."""

@@ -1,0 +1,108 @@
+"""Ray for one case: start (or join) a cluster, reserve one bundle per rank, place worker groups on the bundles.
+
+`ZBENCH_RAY_ADDRESS` (set by the runner profile) names an existing cluster; empty means start a private one
+on 127.0.0.1 whose temporary files live in a folder derived from the case directory, recorded in
+`<case>/ray_tmpdir` so that the harness can remove every Ray process the case started, even after a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+RAY_TMPDIR_FILE = "ray_tmpdir"
+
+
+def ray_tmpdir(case_dir: Path) -> Path:
+    """A short per-case Ray temp folder (Ray's socket paths must stay under ~107 characters)."""
+    digest = hashlib.sha1(str(case_dir.resolve()).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+
+
+def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
+    """Start a private Ray on loopback, or connect to the cluster in ZBENCH_RAY_ADDRESS."""
+    address = os.environ.get("ZBENCH_RAY_ADDRESS", "").strip()
+    if address:
+        ray.init(address=address, log_to_driver=True, ignore_reinit_error=False)
+        return
+    tmp = ray_tmpdir(case_dir)
+    (case_dir / RAY_TMPDIR_FILE).write_text(str(tmp) + "\n")
+    kwargs: dict[str, Any] = {
+        "address": "local",
+        "_node_ip_address": "127.0.0.1",
+        "include_dashboard": False,
+        "_temp_dir": str(tmp),
+        "log_to_driver": True,
+        # logical CPUs: two workers per rank (actor + critic) and the controller, whatever the core count
+        "num_cpus": max(os.cpu_count() or 1, 2 * world_size + 1),
+        "object_store_memory": 1 << 30,
+    }
+    if not on_cuda:
+        kwargs["num_gpus"] = 0
+    ray.init(**kwargs)
+
+
+class WorkerGroup:
+    """One Ray actor per rank, each pinned to its bundle of a shared placement group."""
+
+    def __init__(self, cls: type, pg: Any, world_size: int, share: float, on_cuda: bool,
+                 env: dict[str, str], init_args: tuple):
+        remote_cls = ray.remote(cls)
+        self.name = cls.__name__
+        self.handles = [
+            remote_cls.options(
+                num_cpus=share,
+                num_gpus=share if on_cuda else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env},
+            ).remote(*init_args[:1], rank, world_size, *init_args[1:])
+            for rank in range(world_size)
+        ]
+
+    def rendezvous(self) -> None:
+        """Form this group's torch.distributed group at an address and port chosen by its rank 0."""
+        addr, port = ray.get(self.handles[0].address.remote())
+        ray.get([h.join.remote(addr, port) for h in self.handles])
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` with the same arguments on every rank; wait for all."""
+        return ray.get([getattr(h, method).remote(*args) for h in self.handles])
+
+    def call_sharded(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
+        """Call `method` on every rank with its own shard; wait for all."""
+        return ray.get([getattr(h, method).remote(s, *args) for h, s in zip(self.handles, shards, strict=True)])
+
+    def kill(self) -> None:
+        for h in self.handles:
+            ray.kill(h, no_restart=True)
+
+
+class Placement:
+    """The case's placement group: one bundle per rank (a GPU, or a worker slot on a CPU-only machine)."""
+
+    def __init__(self, world_size: int, on_cuda: bool, groups_per_bundle: int):
+        self.world_size, self.on_cuda = world_size, on_cuda
+        self.share = 1.0 / groups_per_bundle
+        bundle = {"CPU": 1.0, "GPU": 1.0} if on_cuda else {"CPU": 1.0}
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=300)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not reserve {world_size} bundles of {bundle} in 300 s; cluster resources: "
+                f"{ray.cluster_resources()} (lower trainer.world_size or add nodes)")
+
+    def group(self, cls: type, env: dict[str, str], *init_args: Any) -> WorkerGroup:
+        """Place one `cls` actor per rank and form its process group."""
+        group = WorkerGroup(cls, self.pg, self.world_size, self.share, self.on_cuda, env, init_args)
+        group.rendezvous()
+        return group
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)

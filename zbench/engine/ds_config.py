@@ -1,0 +1,89 @@
+"""DeepSpeed configs built from a case: ZeRO stage, effective offload, precision, optimizer, batch semantics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zbench.config import Offload, ZeroConfig
+
+
+def nvme_folder(zero: ZeroConfig, case_dir: Path) -> str:
+    """Where NVMe offload swaps to: the configured folder, or `<case dir>/nvme`."""
+    return zero.nvme_path or str(case_dir / "nvme")
+
+
+def zero_section(zero: ZeroConfig, offload: Offload, *, on_cuda: bool, nvme_path: str) -> dict[str, Any]:
+    """The `zero_optimization` block for a stage and its effective offload."""
+    section: dict[str, Any] = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm and on_cuda,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": zero.reduce_bucket_size,
+    }
+    if zero.stage == 3:
+        section.update(
+            stage3_prefetch_bucket_size=zero.stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=10_000,  # small tensors (norms, biases) stay resident
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    pin = on_cuda  # pinned host memory only helps (and only exists) with a GPU
+    if offload.optimizer != "none":
+        section["offload_optimizer"] = {"device": offload.optimizer, "pin_memory": pin}
+        if offload.optimizer == "nvme":
+            section["offload_optimizer"]["nvme_path"] = nvme_path
+    if offload.params != "none":
+        section["offload_param"] = {"device": offload.params, "pin_memory": pin}
+        if offload.params == "nvme":
+            section["offload_param"]["nvme_path"] = nvme_path
+    return section
+
+
+def training_config(
+    zero: ZeroConfig,
+    offload: Offload,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int,
+    lr: float,
+    weight_decay: float,
+    grad_clip: float,
+    bf16: bool,
+    on_cuda: bool,
+    nvme_path: str,
+) -> dict[str, Any]:
+    """Config for a trained model (actor or critic).
+
+    The optimizer follows from where its states live: DeepSpeedCPUAdam under offload (DeepSpeed picks it for
+    `AdamW` when the optimizer is offloaded), FusedAdam on CUDA, torch's AdamW on a CPU-only machine.
+    """
+    offloaded = offload.optimizer != "none"
+    params: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, 0.999], "eps": 1e-8}
+    if not on_cuda and not offloaded:
+        params["torch_adam"] = True
+    return {
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": zero_section(zero, offload, on_cuda=on_cuda, nvme_path=nvme_path),
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def inference_config(zero: ZeroConfig, offload: Offload, *, world_size: int, bf16: bool, on_cuda: bool,
+                     nvme_path: str) -> dict[str, Any]:
+    """Config for the frozen reference under ZeRO-3: parameters partitioned (and offloaded) like the actor's."""
+    section = zero_section(zero, Offload("none", offload.params), on_cuda=on_cuda, nvme_path=nvme_path)
+    return {
+        "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": section,
+        "steps_per_print": 10**9,
+    }

@@ -1,0 +1,100 @@
+"""What a case leaves behind each step: `metrics.jsonl`, the `step:N - key:value` log line, the heartbeat,
+and at the end `result.json`. Plus the two derived performance figures: throughput and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Dense bf16 peak FLOP/s by GPU name fragment (vendor datasheets), for perf/mfu/actor.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12, "B100": 1750e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 70e12, "A10": 125e12, "L4": 121e12,
+    "RTX 4090": 165e12, "RTX 3090": 71e12,
+}
+
+
+def peak_flops(gpu_name: str | None) -> float | None:
+    """Dense bf16 peak of a GPU by name, or None when unknown (MFU is then not reported)."""
+    if not gpu_name:
+        return None
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in gpu_name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def training_flops(n_params: int, n_layers: int, hidden: int, tokens: int, seq_len: int) -> float:
+    """Forward + backward FLOPs for `tokens` tokens: 6N per token plus attention (12 L H T), as in nanoGPT."""
+    return float(tokens) * (6 * n_params + 12 * n_layers * hidden * seq_len)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the packages a result depends on."""
+    out: dict[str, str | None] = {}
+    for pkg in ("torch", "deepspeed", "ray", "transformers", "vllm"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e12):
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+class Records:
+    """Append-only step records of one case."""
+
+    def __init__(self, case_dir: Path):
+        self.case_dir = case_dir
+        self.metrics_path = case_dir / "metrics.jsonl"
+        self.heartbeat_path = case_dir / "heartbeat"
+
+    def beat(self) -> None:
+        """Tell the watchdog this case is alive."""
+        self.heartbeat_path.touch()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (a resumed case redoes them); also drops a torn last line."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                kept.append(line)
+        write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one step's metrics, print its log line, beat."""
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        record = {"step": step, "time": time.time(), **dict(sorted(clean.items()))}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        print(f"step:{step} - " + " - ".join(f"{k}:{_fmt(v)}" for k, v in sorted(clean.items())), flush=True)
+        self.beat()
+
+    def result(self, info: dict[str, Any]) -> None:
+        """The final record: its presence with all steps done marks the case completed."""
+        write_atomic(self.case_dir / "result.json", json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,365 @@
+"""The single controller of one case: places the workers, then runs the PPO or GRPO step loop.
+
+Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob) ->
+reference log-probs (ref) -> values (PPO) -> advantages (adv) -> critic update (PPO) -> actor update ->
+weights into the rollout replica (update_weights). Every phase is timed as `timing_s/<phase>`.
+
+    python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
+from zbench.engine import algos
+from zbench.engine.records import Records, peak_flops, training_flops, versions, write_atomic
+from zbench.engine.reward import compute_score
+
+SYNTHETIC_DATA_SEED = 0  # the generated problem set is the same for every case; the case seed orders it
+
+
+class PromptStream:
+    """Tokenised prompts in a seeded order: step s takes positions [(s-1)B, sB) of the epoch permutations.
+
+    The order is a pure function of (seed, step), so a resumed case sees exactly the prompts it would have.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], tokenizer: Any, batch: int, seed: int, shuffle: bool,
+                 max_prompt_length: int):
+        self.ids: list[list[int]] = []
+        self.truths: list[str] = []
+        for row in rows:
+            text = tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) <= max_prompt_length:
+                self.ids.append(ids)
+                self.truths.append(str(row["reward_model"]["ground_truth"]))
+        if len(self.ids) < batch:
+            raise ConfigError("data", f"only {len(self.ids)} prompts fit data.max_prompt_length={max_prompt_length}; "
+                                      f"a step needs trainer.train_batch_size={batch}")
+        self.batch, self.seed, self.shuffle = batch, seed, shuffle
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            n = len(self.ids)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                self._perms[epoch] = torch.randperm(n, generator=g).tolist()
+            else:
+                self._perms[epoch] = list(range(n))
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        """Dataset indices of the prompts of `step` (1-based)."""
+        n = len(self.ids)
+        return [self._perm(p // n)[p % n] for p in range((step - 1) * self.batch, step * self.batch)]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ids and attention mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def shard(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every tensor of a batch into `parts` equal consecutive row blocks (one per rank)."""
+    rows = next(iter(batch.values())).shape[0]
+    size = rows // parts
+    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
+def gather(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate per-rank outputs row-wise."""
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def pick(batch: dict[str, torch.Tensor], *keys: str) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in keys}
+
+
+def mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Average per-rank metric dicts key by key."""
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}/mean": x.float().mean().item(), f"{prefix}/max": x.float().max().item(),
+            f"{prefix}/min": x.float().min().item()}
+
+
+class Trainer:
+    """Drives one case from its directory."""
+
+    def __init__(self, case_dir: Path):
+        self.case_dir = case_dir
+        self.cfg: RunConfig = load_case_config(case_dir / "config.yaml")
+        want = self.cfg.trainer.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
+        self.on_cuda = want != "cpu" and torch.cuda.is_available()
+        if self.cfg.rollout.backend == "vllm":
+            raise ConfigError("rollout.backend", "'vllm' is not available in this build of the engine; use 'hf' "
+                                                 "(or 'auto', which picks 'hf' here)")
+        self.records = Records(case_dir)
+        self.plan = self.cfg.batch_plan()
+        self.timing: dict[str, float] = {}
+
+    @contextmanager
+    def _timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.timing[f"timing_s/{phase}"] = time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def _prompts(self, tokenizer: Any) -> PromptStream:
+        from zbench.data import load_prompts, synthetic_problems
+
+        d = self.cfg.data
+        rows = (synthetic_problems(d.synthetic_size, SYNTHETIC_DATA_SEED, "train") if d.train_files == "synthetic"
+                else load_prompts(d.train_files))
+        return PromptStream(rows, tokenizer, self.cfg.trainer.train_batch_size, self.cfg.seed, d.shuffle,
+                            d.max_prompt_length)
+
+    def _start_workers(self) -> None:
+        from zbench.engine.cluster import Placement, start_ray
+        from zbench.engine.workers import CriticWorker, PolicyWorker
+
+        t = self.cfg.trainer
+        start_ray(self.case_dir, t.world_size, self.on_cuda)
+        self.records.beat()
+        ppo = self.cfg.algorithm == "ppo"
+        self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if ppo else 1)
+        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(t.torch_threads)}
+        if not self.on_cuda:
+            env["DS_ACCELERATOR"] = "cpu"
+        from zbench.config import to_dict
+
+        args = (to_dict(self.cfg), str(self.case_dir.resolve()), str(self.model_path))
+        self.policy = self.placement.group(PolicyWorker, env, *args)
+        self.critic = self.placement.group(CriticWorker, env, *args) if ppo else None
+        self.info = self.policy.call("setup")[0]
+        self.records.beat()
+        if self.critic:
+            self.critic.call("setup")
+        self.records.beat()
+
+    # ------------------------------------------------------------------------------------------- one step
+    def step(self, step: int) -> dict[str, float]:
+        cfg, n, dp = self.cfg, self.cfg.rollout.n, self.cfg.trainer.world_size
+        self.timing = {}
+        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        idx = self.prompts.indices(step)
+        prompt_ids = [self.prompts.ids[i] for i in idx for _ in range(n)]
+        truths = [self.prompts.truths[i] for i in idx for _ in range(n)]
+        group_ids = torch.arange(len(idx)).repeat_interleave(n)
+        p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
+
+        with self._timed("gen"):
+            gen = gather(self.policy.call_sharded("generate", shard({"input_ids": p_ids, "attention_mask": p_mask}, dp),
+                                                  step))
+        responses, r_mask = gen["responses"], gen["response_mask"]
+        attn = torch.cat([p_mask, r_mask], dim=1)
+        batch = {
+            "input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask,
+        }
+        fwd_keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+        with self._timed("reward"):
+            texts = [self.tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(responses, r_mask, strict=True)]
+            rc = cfg.reward
+            scores = torch.tensor([compute_score(t, g, method=rc.method, format_score=rc.format_score,
+                                                 correct_score=rc.correct_score) for t, g in zip(texts, truths, strict=True)])
+        with self._timed("old_log_prob"):
+            batch.update(gather(self.policy.call_sharded("compute_log_prob", shard(pick(batch, *fwd_keys), dp))))
+        if self.info_needs_ref:
+            with self._timed("ref"):
+                batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))
+        if self.critic:
+            with self._timed("values"):
+                batch.update(gather(self.critic.call_sharded("compute_values", shard(pick(batch, *fwd_keys), dp))))
+
+        with self._timed("adv"):
+            token_scores = algos.outcome_to_token_scores(scores, r_mask)
+            if cfg.algo.use_kl_in_reward:
+                rewards, kl_mean = algos.apply_kl_in_reward(token_scores, batch["old_log_probs"], batch["ref_log_probs"],
+                                                            r_mask, cfg.algo.kl_coef, cfg.algo.kl_penalty)
+                metrics["actor/reward_kl_penalty"] = float(kl_mean)
+            else:
+                rewards = token_scores
+            if cfg.algorithm == "ppo":
+                adv, ret = algos.compute_gae(rewards, batch["values"], r_mask, cfg.algo.gamma, cfg.algo.lam)
+            else:
+                adv, ret = algos.compute_grpo_advantages(rewards.sum(-1), group_ids, r_mask,
+                                                         cfg.algo.norm_adv_by_std_in_grpo)
+            batch.update(advantages=adv, returns=ret)
+
+        if self.critic:
+            with self._timed("update_critic"):
+                metrics.update(mean_of(self.critic.call_sharded(
+                    "update_critic", shard(pick(batch, *fwd_keys, "values", "returns"), dp))))
+        actor_keys = (*fwd_keys, "old_log_probs", "advantages") + (("ref_log_probs",) if cfg.actor.use_kl_loss else ())
+        with self._timed("update_actor"):
+            metrics.update(mean_of(self.policy.call_sharded("update_actor", shard(pick(batch, *actor_keys), dp))))
+        with self._timed("update_weights"):
+            self.policy.call("sync_weights")
+        self.timing["timing_s/step"] = time.perf_counter() - t0
+
+        metrics.update(self._batch_metrics(batch, scores, rewards, adv, ret))
+        metrics.update(self.timing)
+        metrics.update(self._perf_metrics(batch))
+        for i in range(min(cfg.trainer.log_samples, len(texts))):
+            print(f"[sample] score={scores[i].item():g} truth={truths[i]} response={texts[i]!r}", flush=True)
+        return metrics
+
+    def _batch_metrics(self, batch: dict, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor,
+                       ret: torch.Tensor) -> dict[str, float]:
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1).float()
+        out = {**_stats("critic/score", scores),
+               "critic/rewards/mean": rewards.sum(-1).mean().item(),
+               "critic/advantages/mean": algos.masked_mean(adv, mask).item(),
+               "critic/returns/mean": algos.masked_mean(ret, mask).item(),
+               **_stats("response_length", lengths),
+               "response_length/clip_ratio": (lengths >= self.cfg.rollout.max_new_tokens).float().mean().item(),
+               "prompt_length/mean": (batch["attention_mask"].sum(-1).float() - lengths).mean().item()}
+        out.pop("response_length/min")
+        if "values" in batch:
+            out["critic/values/mean"] = algos.masked_mean(batch["values"], mask).item()
+        return out
+
+    def _perf_metrics(self, batch: dict) -> dict[str, float]:
+        dp = self.cfg.trainer.world_size
+        tokens = int(batch["attention_mask"].sum())
+        out = {"perf/total_num_tokens": float(tokens),
+               "perf/throughput": tokens / (self.timing["timing_s/step"] * dp)}
+        mems = self.policy.call("memory")
+        if self.critic:
+            for rank, m in enumerate(self.critic.call("memory")):
+                for k, v in m.items():
+                    mems[rank][k] = mems[rank].get(k, 0.0) + v
+        if self.on_cuda:
+            out["perf/max_memory_allocated_gb"] = max(m["allocated_gb"] for m in mems)
+            out["perf/max_memory_reserved_gb"] = max(m["reserved_gb"] for m in mems)
+        rss = sum(m["rss_gb"] for m in mems) + psutil.Process().memory_info().rss / 2**30
+        out["perf/cpu_memory_used_gb"] = rss
+        peak = peak_flops(self.info.get("gpu_name"))
+        if peak and self.timing.get("timing_s/update_actor"):
+            flops = training_flops(self.info["params"], self.model_config.num_hidden_layers,
+                                   self.model_config.hidden_size, tokens * self.cfg.actor.ppo_epochs,
+                                   batch["attention_mask"].shape[1])
+            out["perf/mfu/actor"] = flops / (self.timing["timing_s/update_actor"] * dp * peak)
+        return out
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.case_dir / "ckpt"
+
+    def save(self, step: int) -> None:
+        tag = f"step_{step}"
+        self.policy.call("save", str(self.ckpt_dir / "actor"), tag)
+        if self.critic:
+            self.critic.call("save", str(self.ckpt_dir / "critic"), tag)
+        # written last: a checkpoint is usable only once this names it
+        write_atomic(self.ckpt_dir / "state.json", json.dumps({"step": step, "tag": tag, "seed": self.cfg.seed}) + "\n")
+        print(f"[ckpt] saved {tag}", flush=True)
+
+    def restore(self) -> int:
+        state_file = self.ckpt_dir / "state.json"
+        if not state_file.exists():
+            return 0
+        state = json.loads(state_file.read_text())
+        self.policy.call("load", str(self.ckpt_dir / "actor"), state["tag"])
+        if self.critic:
+            self.critic.call("load", str(self.ckpt_dir / "critic"), state["tag"])
+        self.policy.call("sync_weights")
+        self.records.truncate_after(state["step"])
+        print(f"[ckpt] resumed from {state['tag']}", flush=True)
+        return int(state["step"])
+
+    # ------------------------------------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from zbench.engine.models import resolve_model
+        from zbench.engine.workers import special_ids
+
+        cfg = self.cfg
+        started = time.time()
+        self.model_path = resolve_model(cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model_config = AutoConfig.from_pretrained(self.model_path)
+        self.pad_id, _ = special_ids(str(self.model_path))
+        self.prompts = self._prompts(self.tokenizer)
+        offload = effective_offload(cfg.zero.stage, cfg.zero.offload)
+        print(f"[zbench] case {cfg.name}: {cfg.algorithm} zero{cfg.zero.stage} offload asked={cfg.zero.offload} "
+              f"effective={offload.label} world_size={cfg.trainer.world_size} "
+              f"device={'cuda' if self.on_cuda else 'cpu'} model={self.model_path}", flush=True)
+        self.info_needs_ref = cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward
+        self.policy = self.critic = None
+        try:
+            self._start_workers()
+            start_step = self.restore()
+            print(f"[zbench] workers ready: {self.info}", flush=True)
+            for step in range(start_step + 1, cfg.steps + 1):
+                self.records.step(step, self.step(step))
+                if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
+                    self.save(step)
+            result = {
+                "steps_completed": cfg.steps, "steps_target": cfg.steps, "offload_effective": offload.label,
+                "rollout_backend": self.info["backend"], "world_size": cfg.trainer.world_size,
+                "wall_s": time.time() - started, "versions": versions(),
+                "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
+                "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
+                "params": self.info.get("params"), "resumed_from_step": start_step,
+            }
+            self.records.result(result)
+            return result
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for group in (self.policy, self.critic):
+            if group is not None:
+                try:
+                    group.call("shutdown")
+                except Exception as err:  # a dead worker must not stop the others from being cleaned up
+                    print(f"[zbench] {group.name} shutdown: {err}", flush=True)
+                group.kill()
+        if getattr(self, "placement", None) is not None:
+            self.placement.remove()
+        ray.shutdown()
+
+
+def main(case_dir: str) -> int:
+    """Train the case in `case_dir`; exit codes: 0 done, 1 failure, 2 config error."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        trainer = Trainer(Path(case_dir))
+        trainer.run()
+    except ConfigError as err:
+        print(f"ConfigError: {err}", flush=True)
+        return 2
+    return 0

@@ -1,0 +1,357 @@
+"""Ray worker processes: one policy worker (actor + rollout + reference) and, for PPO, one critic worker per rank.
+
+Workers move tensors and call the pure functions in `algos`; the controller (`trainer`) decides what runs when.
+Each worker group forms its own torch.distributed group (NCCL on CUDA, gloo on CPU) from an address and port
+picked by its rank-0 worker, so the actor and critic groups, and concurrent cases, never collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from zbench.config import RunConfig, effective_offload, from_dict
+from zbench.engine import algos
+
+Batch = dict[str, torch.Tensor]
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """Consecutive slices of `size` rows of every tensor in `batch`."""
+    rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def special_ids(model_path: str) -> tuple[int, list[int]]:
+    """Padding id and every id that ends a response (the tokenizer's EOS and the generation config's)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    with contextlib.suppress(OSError):
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if not eos:
+        raise ValueError(f"{model_path}: the tokenizer defines no EOS token; responses could never end")
+    eos_ids = sorted(eos)
+    return (tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]), eos_ids
+
+
+class _Worker:
+    """What every worker does: join its process group, place itself on a device, report memory."""
+
+    role = "worker"
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, case_dir: str, model_path: str):
+        self.cfg: RunConfig = from_dict(cfg)
+        self.rank, self.world_size = rank, world_size
+        self.case_dir = Path(case_dir)
+        self.model_path = model_path
+        self.offload = effective_offload(self.cfg.zero.stage, self.cfg.zero.offload)
+        self.on_cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
+        self.device = torch.device("cuda", 0) if self.on_cuda else torch.device("cpu")
+        self.bf16 = self.cfg.model.dtype == "bf16" or (self.cfg.model.dtype == "auto" and self.on_cuda)
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        if not self.on_cuda:
+            torch.set_num_threads(self.cfg.trainer.torch_threads)
+        torch.manual_seed(self.cfg.seed)
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the group's rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join this group's torch.distributed group."""
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        if self.on_cuda:
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(dist_backend="nccl" if self.on_cuda else "gloo", verbose=False)
+
+    def _ds_train_config(self, micro: int, grad_accum: int, lr: float, weight_decay: float, grad_clip: float) -> dict:
+        from zbench.engine.ds_config import nvme_folder, training_config
+
+        return training_config(
+            self.cfg.zero, self.offload, micro_batch=micro, grad_accum=grad_accum, world_size=self.world_size,
+            lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, bf16=self.bf16, on_cuda=self.on_cuda,
+            nvme_path=nvme_folder(self.cfg.zero, self.case_dir),
+        )
+
+    def _load(self, auto_cls: Any, ds_config: dict, **kwargs: Any) -> torch.nn.Module:
+        """Load the model; under ZeRO-3 its parameters are partitioned as they load (`zero.Init`)."""
+        zero3 = None
+        if self.cfg.zero.stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            zero3 = HfDeepSpeedConfig(ds_config)  # must stay referenced while from_pretrained runs
+        try:
+            model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype, **kwargs)
+        finally:
+            del zero3
+        if self.cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        return model
+
+    def _initialize(self, model: torch.nn.Module, ds_config: dict) -> Any:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                           if p.requires_grad], config=ds_config)
+        return engine
+
+    def memory(self) -> dict[str, float]:
+        """Peak accelerator memory since the last call (then reset), and this process's resident memory."""
+        out = {"rss_gb": psutil.Process().memory_info().rss / 2**30}
+        if self.on_cuda:
+            out["allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            out["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    def save(self, ckpt_dir: str, tag: str) -> None:
+        """DeepSpeed checkpoint of this group's engine (model, optimizer, its own RNG and step counters)."""
+        self.engine.save_checkpoint(ckpt_dir, tag=tag)
+
+    def load(self, ckpt_dir: str, tag: str) -> None:
+        """Restore this group's engine from a DeepSpeed checkpoint."""
+        path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no {self.role} checkpoint {tag!r} under {ckpt_dir}")
+
+    def shutdown(self) -> None:
+        """Leave the process group cleanly (a gloo group torn down at exit can abort the interpreter)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.barrier()
+            dist.destroy_process_group()
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+class PolicyWorker(_Worker):
+    """Actor (DeepSpeed, trained), rollout replica (generation) and frozen reference, on one rank."""
+
+    role = "actor"
+
+    def setup(self) -> dict[str, Any]:
+        """Build the actor engine, the reference and the rollout replica."""
+        from transformers import AutoModelForCausalLM
+
+        cfg, plan = self.cfg, self.cfg.batch_plan()
+        ds_cfg = self._ds_train_config(cfg.actor.micro_batch_size_per_gpu, plan.grad_accum["actor"], cfg.actor.lr,
+                                       cfg.actor.weight_decay, cfg.actor.grad_clip)
+        self.engine = self._initialize(self._load(AutoModelForCausalLM, ds_cfg), ds_cfg)
+        self.needs_ref = cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward
+        self.ref = self._build_ref() if self.needs_ref else None
+        pad_id, eos_ids = special_ids(self.model_path)
+        self.rollout = self._build_rollout(pad_id, eos_ids)
+        self.sync_weights()
+        n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
+        return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "optimizer": type(self.engine.optimizer).__name__, "backend": self.rollout.backend,
+                "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
+
+    def _build_ref(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from zbench.engine.ds_config import inference_config, nvme_folder
+
+        if self.cfg.zero.stage == 3:
+            ds_cfg = inference_config(self.cfg.zero, self.offload, world_size=self.world_size, bf16=self.bf16,
+                                      on_cuda=self.on_cuda, nvme_path=nvme_folder(self.cfg.zero, self.case_dir))
+            model = self._load(AutoModelForCausalLM, ds_cfg)
+            for p in model.parameters():
+                p.requires_grad_(False)
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
+            engine.eval()
+            return engine
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def _build_rollout(self, pad_id: int, eos_ids: list[int]) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from zbench.engine.rollout import HFRollout
+
+        r = self.cfg.rollout
+        replica = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.replica_home = self.device
+        self.park_replica = self.on_cuda and self.offload.optimizer != "none"
+        replica.to("cpu" if self.park_replica else self.device)
+        return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
+                         temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
+                         device=self.device)
+
+    def generate(self, batch: Batch, step: int) -> Batch:
+        """Sample responses for this rank's prompts (already repeated n times), seeded by (seed, step, rank)."""
+        if self.park_replica:
+            self.rollout.to(self.device)
+        seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank
+        out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
+        if self.park_replica:
+            self.rollout.to("cpu")
+            torch.cuda.empty_cache()
+        return out
+
+    def _logprobs(self, model: Any, mb: Batch, entropy: bool = False,
+                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs and, if asked, per-token entropy (with gradients only when it is in the loss)."""
+        width = mb["responses"].shape[1]
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
+                    use_cache=False, logits_to_keep=width + 1)
+        logits = out.logits[:, :-1].float()
+        if self.cfg.rollout.temperature > 0:
+            logits = logits / self.cfg.rollout.temperature
+        logp = algos.logprobs_from_logits(logits, mb["responses"])
+        if not entropy:
+            return logp, None
+        return logp, algos.entropy_from_logits(logits if entropy_grad else logits.detach())
+
+    @torch.no_grad()
+    def _score(self, model: Any, batch: Batch, key: str) -> Batch:
+        outs = []
+        for mb in micro_batches(self._to_device(batch), self.cfg.actor.micro_batch_size_per_gpu):
+            outs.append(self._logprobs(model, mb)[0].cpu())
+        return {key: torch.cat(outs)}
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Log-probs of the sampled responses under the current actor (the PPO `old` policy)."""
+        self.engine.eval()
+        return self._score(self.engine, batch, "old_log_probs")
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Log-probs under the frozen reference."""
+        return self._score(self.ref, batch, "ref_log_probs")
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch."""
+        a, plan = self.cfg.actor, self.cfg.batch_plan()
+        self.engine.train()
+        mini = plan.mini_batch_sequences // self.world_size
+        stats: dict[str, list[float]] = defaultdict(list)
+        batch = self._to_device(batch)
+        for _ in range(a.ppo_epochs):
+            for mini_batch in micro_batches(batch, mini):
+                for mb in micro_batches(mini_batch, a.micro_batch_size_per_gpu):
+                    mask = mb["response_mask"]
+                    logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
+                    pg_loss, clipfrac, ppo_kl = algos.policy_loss(
+                        mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
+                        a.clip_ratio_c or None)
+                    entropy = algos.masked_mean(ent, mask)
+                    loss = pg_loss - a.entropy_coeff * entropy
+                    if a.use_kl_loss:
+                        kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask)
+                        loss = loss + a.kl_loss_coef * kl
+                        stats["actor/kl_loss"].append(kl.item())
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    stats["actor/pg_loss"].append(pg_loss.item())
+                    stats["actor/pg_clipfrac"].append(clipfrac.item())
+                    stats["actor/ppo_kl"].append(ppo_kl.item())
+                    stats["actor/entropy"].append(entropy.item())
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    stats["actor/grad_norm"].append(float(norm))
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["actor/lr"] = self.engine.get_lr()[0]
+        return out
+
+    @torch.no_grad()
+    def sync_weights(self) -> dict[str, float]:
+        """Copy the trained weights into the rollout replica (ZeRO-3: gathered bucket by bucket)."""
+        from zbench.engine.rollout import trained_weights
+
+        start = time.perf_counter()
+        parked = self.park_replica
+        copied = self.rollout.load_weights(
+            trained_weights(self.engine.module, self.cfg.zero.stage, self.cfg.rollout.sync_bucket_mb))
+        if self.on_cuda and not parked:
+            torch.cuda.synchronize()
+        return {"seconds": time.perf_counter() - start, "bytes": float(copied)}
+
+
+class CriticWorker(_Worker):
+    """The PPO value model on one rank: a token-level scalar head over the actor's architecture."""
+
+    role = "critic"
+
+    def setup(self) -> dict[str, Any]:
+        """Build the critic engine."""
+        from transformers import AutoModelForTokenClassification
+
+        c, plan = self.cfg.critic, self.cfg.batch_plan()
+        ds_cfg = self._ds_train_config(c.micro_batch_size_per_gpu, plan.grad_accum["critic"], c.lr, c.weight_decay,
+                                       c.grad_clip)
+        # no dropout in the value head: values must not depend on RNG state (parity across stages)
+        model = self._load(AutoModelForTokenClassification, ds_cfg, num_labels=1, classifier_dropout=0.0)
+        self.engine = self._initialize(model, ds_cfg)
+        return {"optimizer": type(self.engine.optimizer).__name__}
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        width = mb["responses"].shape[1]
+        out = self.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                          position_ids=mb["position_ids"], use_cache=False)
+        return out.logits[:, -width - 1 : -1, 0].float() * mb["response_mask"]
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """V(s_t) for every response token."""
+        self.engine.eval()
+        outs = [self._values(mb).cpu() for mb in micro_batches(self._to_device(batch), self.cfg.critic.micro_batch_size_per_gpu)]
+        return {"values": torch.cat(outs)}
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
+        c, plan = self.cfg.critic, self.cfg.batch_plan()
+        self.engine.train()
+        mini = plan.mini_batch_sequences // self.world_size
+        stats: dict[str, list[float]] = defaultdict(list)
+        batch = self._to_device(batch)
+        for _ in range(self.cfg.actor.ppo_epochs):
+            for mini_batch in micro_batches(batch, mini):
+                for mb in micro_batches(mini_batch, c.micro_batch_size_per_gpu):
+                    values = self._values(mb)
+                    vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
+                                                         c.cliprange_value)
+                    self.engine.backward(vf_loss)
+                    self.engine.step()
+                    stats["critic/vf_loss"].append(vf_loss.item())
+                    stats["critic/vf_clipfrac"].append(clipfrac.item())
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    stats["critic/grad_norm"].append(float(norm))
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["critic/lr"] = self.engine.get_lr()[0]
+        return out
