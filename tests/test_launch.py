@@ -293,3 +293,15 @@ def test_live_progress_table(tmp_path: Path) -> None:
     console.print(progress.table())
     text = console.file.getvalue()
     assert "1/4" in text and "0.250" in text and "12.5" in text and "3.50" in text and "pending" in text
+
+
+def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    cdir = tmp_path / "case"
+    status = run(tmp_path, "ray_crash", step_timeout_s=120.0)
+    assert status["status"] == "failed" and status["exit_code"] == -signal.SIGKILL, status
+    assert status["reason"].startswith("killed by SIGKILL without an OOM message")
+    log = (cdir / "train.log").read_text()
+    worker = int(log.split("worker pid ")[1].split()[0])
+    assert_gone([worker])
+    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))

@@ -218,13 +218,22 @@ def _read_attempt_log(log: Path, offset: int) -> str:
         return ""
 
 
-def reason_from_log(text: str) -> str:
-    """One line explaining a failure: the last exception line of the log, else its last non-empty line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
+def exception_line(text: str) -> str | None:
+    """The last line of ``text`` that names an exception (a traceback's final line), if any."""
+    for ln in reversed(text.splitlines()):
+        ln = ln.strip()
         m = EXCEPTION_LINE.match(ln)
         if m and not ln.startswith("Traceback"):
             return m.group(1)[:300]
+    return None
+
+
+def reason_from_log(text: str) -> str:
+    """One line explaining a failure: the last exception line of the log, else its last non-empty line."""
+    found = exception_line(text)
+    if found:
+        return found
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if OOM_PATTERNS.search(ln):
             return ln[:300]
@@ -289,7 +298,7 @@ def _classify(
         return "oom", (oom_line or reason or _exit_text(exit_code))[:300], False, False
     if exit_code == 0:
         return "failed", "exited 0 without a complete result.json", False, False
-    if killed and not reason:
+    if killed and not exception_line(log_text):
         reason = (
             "killed by SIGKILL without an OOM message in train.log (check the kernel log for the OOM killer)"
         )
