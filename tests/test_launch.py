@@ -225,7 +225,10 @@ def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int)
     assert store.read_status(root.path / "b") is None
     rows = store.read_summary(root.path / "summary.tsv")
     assert [(r["case"], r["status"]) for r in rows] == [("a", "interrupted"), ("b", "pending")]
-    assert not (root.path / "lock").exists()
+    assert not (root.path / "lock").exists() and root.manifest["ended_at"]
+    # Every config.yaml was written up front, so the run resumes from the run root alone.
+    resumed = launch.run_cases(root, root.case_configs(), options("ok"))
+    assert [(s["status"], s["attempt"]) for s in resumed] == [("completed", 2), ("completed", 1)]
 
 
 def test_runner_profiles(tmp_path: Path) -> None:

@@ -479,6 +479,25 @@ def _steps_target(config_text: str) -> int | None:
     return None
 
 
+def _write_configs(run_root: store.RunRoot, cases: Sequence[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """Write every case's config.yaml up front (so a resume finds them all); return the completed cases.
+
+    A case counts as completed only if its status says so and its config.yaml is the one given now.
+    """
+    done = {}
+    for name, config_text in cases:
+        cdir = run_root.case_dir(name)
+        cdir.mkdir(exist_ok=True)
+        path = cdir / store.CONFIG
+        same = path.is_file() and path.read_text(encoding="utf-8") == config_text
+        status = store.read_status(cdir)
+        if same and status and status.get("status") == "completed":
+            done[name] = status
+        elif not same:
+            store.atomic_write_text(path, config_text)
+    return done
+
+
 def run_cases(
     run_root: store.RunRoot,
     cases: Sequence[tuple[str, str]],
@@ -487,7 +506,7 @@ def run_cases(
 ) -> list[dict[str, Any]]:
     """Run ``cases`` — (name, config.yaml text) in matrix order — under the run root's lock.
 
-    Writes each case's config.yaml before it starts; skips cases already completed with the same config
+    Writes every case's config.yaml before the first starts; skips cases already completed with the same config
     (resume); retries transient failures up to ``options.retries`` times, never OOM or config errors; rewrites
     summary.tsv after every case. On SIGINT/SIGTERM the running case is killed (whole group), marked
     interrupted, the summary written, and RunInterrupted raised; a second signal kills at once.
@@ -511,39 +530,38 @@ def run_cases(
     tick: Callable[[], None] | None = progress.poll if progress is not None else None
     try:
         with run_root.lock("run"):
-            for name, config_text in cases:
-                if stop.is_set():
-                    break
-                cdir = run_root.case_dir(name)
-                cdir.mkdir(exist_ok=True)
-                config_path = cdir / store.CONFIG
-                old = store.read_status(cdir)
-                same_config = config_path.is_file() and config_path.read_text(encoding="utf-8") == config_text
-                if old and old.get("status") == "completed" and same_config:
-                    statuses.append(old)
-                    if progress is not None:
-                        progress.case_finished(name, old)
-                    continue
-                if not same_config:
-                    store.atomic_write_text(config_path, config_text)
-                attempt = int(old.get("attempt", 0)) if old else 0
-                for retry in range(options.retries + 1):
-                    attempt += 1
-                    if progress is not None:
-                        progress.case_started(name, cdir, attempt, _steps_target(config_text))
-                    outcome = run_attempt(
-                        cdir, [*options.command, str(cdir.resolve())], options.env, options.case_timeout_s,
-                        options.step_timeout_s, attempt, stop=stop, kill_grace_s=options.kill_grace_s,
-                        poll_s=options.poll_s, tick=tick,
-                    )  # fmt: skip
-                    if progress is not None:
-                        progress.case_finished(name, outcome.status)
-                    if not outcome.retryable or stop.is_set() or retry == options.retries:
+            try:
+                done = _write_configs(run_root, cases)
+                for name, config_text in cases:
+                    if stop.is_set():
                         break
-                statuses.append(outcome.status)
+                    cdir = run_root.case_dir(name)
+                    if name in done:
+                        statuses.append(done[name])
+                        if progress is not None:
+                            progress.case_finished(name, done[name])
+                        continue
+                    old = store.read_status(cdir)
+                    attempt = int(old.get("attempt", 0)) if old else 0
+                    for retry in range(options.retries + 1):
+                        attempt += 1
+                        if progress is not None:
+                            progress.case_started(name, cdir, attempt, _steps_target(config_text))
+                        outcome = run_attempt(
+                            cdir, [*options.command, str(cdir.resolve())], options.env, options.case_timeout_s,
+                            options.step_timeout_s, attempt, stop=stop, kill_grace_s=options.kill_grace_s,
+                            poll_s=options.poll_s, tick=tick,
+                        )  # fmt: skip
+                        if progress is not None:
+                            progress.case_finished(name, outcome.status)
+                        if not outcome.retryable or stop.is_set() or retry == options.retries:
+                            break
+                    statuses.append(outcome.status)
+                    run_root.write_summary()
+            finally:
+                # Also after an error or an interrupt: the table on disk matches the case dirs.
                 run_root.write_summary()
-            run_root.write_summary()
-            run_root.update_manifest(ended_at=store.utc_now())
+                run_root.update_manifest(ended_at=store.utc_now())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -56,8 +56,8 @@ SUMMARY_COLUMNS = (
 VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
 
 # One path component, starting with a letter or digit: no separators, no "..", nothing a shell must quote.
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
-_NAME_RULE = "1-128 characters from A-Z a-z 0-9 . _ + = -, starting with a letter or digit, without '..'"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+_NAME_RULE = "1-128 characters from A-Z a-z 0-9 . _ + -, starting with a letter or digit, without '..'"
 
 
 class StoreError(RuntimeError):
@@ -412,6 +412,17 @@ class RunRoot:
     def case_dir(self, name: str) -> Path:
         """Directory of case ``name`` (validated so that it cannot leave the run root)."""
         return self.path / validate_name(name, "case name")
+
+    def case_configs(self) -> list[tuple[str, str]]:
+        """(name, config.yaml text) of every case in matrix order, as ``launch.run_cases`` takes them (resume)."""
+        out = []
+        for name in self.case_names():
+            path = self.case_dir(name) / CONFIG
+            try:
+                out.append((name, path.read_text(encoding="utf-8")))
+            except FileNotFoundError:
+                raise StoreError(f"{path} is missing: this run root cannot be resumed case by case") from None
+        return out
 
     def summary_rows(self) -> list[dict[str, str]]:
         """One summary row per case of the manifest, in matrix order."""
