@@ -1,0 +1,330 @@
+"""Models the engine can train without a download: the embedded tiny default and the Qwen3-0.6B shape.
+
+``tiny``: a locally trained byte-level BPE tokenizer and a 2-layer Qwen3-architecture model, warm-started on
+synthetic GSM8K-style problems so that it mostly gets the arithmetic right but writes the rewarded
+``#### N`` answer line only part of the time; RL with the strict reward then visibly raises the score.
+``qwen3-0.6b``: Qwen3-0.6B's exact dimensions with random bf16 weights and the tiny tokenizer, for speed and
+memory benchmarks where real weights cannot be fetched.
+
+Both are built once into a cache directory (``$ZBENCH_CACHE`` or ``~/.cache/zbench``) under a key hashing the
+build recipe, behind a file lock and an atomic rename: concurrent processes never build twice and never see a
+half-written directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from zbench.data import synthetic_problems
+
+# Bump when the build code changes in a way the recipe fields do not capture.
+BUILD_VERSION = 1
+PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_DONE = ".complete"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyRecipe:
+    """Everything that determines the tiny model; its hash names the cache directory."""
+
+    seed: int = 1234
+    vocab_size: int = 512  # byte-level alphabet (256) + merges + specials
+    tokenizer_texts: int = 4000  # synthetic problems the tokenizer is trained on
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 192
+    max_positions: int = 512
+    sft_steps: int = 1500  # optimizer steps of the warm start
+    sft_batch: int = 64
+    sft_lr: float = 3e-3
+    format_fraction: float = 0.3  # share of warm-start targets ending in "#### N" (else "The answer is N.")
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The model cache: ``cache_dir``, else ``$ZBENCH_CACHE``, else ``~/.cache/zbench``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("ZBENCH_CACHE") or Path.home() / ".cache" / "zbench")
+
+
+def _key(kind: str, payload: dict) -> str:
+    text = json.dumps({"kind": kind, "build_version": BUILD_VERSION, **payload}, sort_keys=True)
+    return f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cached_build(root: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """Return ``root/key``, building it first (once, under a lock, into a temporary dir renamed at the end)."""
+    final = root / key
+    if (final / _DONE).is_file():
+        return final
+    with _locked(root / f".{key}.lock"):
+        if (final / _DONE).is_file():
+            return final
+        tmp = root / f".{key}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # a directory without the marker is a torn earlier build
+        tmp.mkdir(parents=True)
+        try:
+            build(tmp)
+            (tmp / _DONE).write_text(json.dumps({"built_at": time.time()}))
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------- tokenizer
+
+
+def _training_text(recipe: TinyRecipe) -> list[str]:
+    rows = synthetic_problems(recipe.tokenizer_texts, recipe.seed, "tokenizer")
+    texts = []
+    for row in rows:
+        texts.append(f"{IM_START}user\n{row['prompt'][0]['content']}{EOS}\n{IM_START}assistant\n")
+        texts.append(_sft_target(row["extra_info"]["answer"], hashed=True))
+        texts.append(_sft_target(row["extra_info"]["answer"], hashed=False))
+    return texts
+
+
+def build_tokenizer(recipe: TinyRecipe):
+    """Train the tiny byte-level BPE tokenizer (digits one per token, chat template set); returns a
+    ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits are isolated before the byte-level split so that no merge can ever join two digits.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe.vocab_size,
+        special_tokens=[PAD, IM_START, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(recipe), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, padding_side="left",
+        extra_special_tokens=[IM_START],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ------------------------------------------------------------------------------------------------ tiny model
+
+
+def _sft_target(gsm8k_answer: str, hashed: bool) -> str:
+    """The warm-start completion: the answer's reasoning lines without ``<<...>>`` annotations (keeping
+    responses short), ending with ``#### N`` when ``hashed`` and with ``The answer is N.`` otherwise."""
+    *lines, final = gsm8k_answer.strip().splitlines()
+    reasoning = [line.split(" = <<")[0] + " = " + line.rsplit(">>", 1)[-1] for line in lines]
+    answer = final.removeprefix("####").strip()
+    return "\n".join([*reasoning, f"#### {answer}" if hashed else f"The answer is {answer}."])
+
+
+def tiny_config(recipe: TinyRecipe, tokenizer):
+    """``Qwen3Config`` of the tiny model for ``tokenizer``."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim, intermediate_size=recipe.intermediate_size,
+        max_position_embeddings=recipe.max_positions, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+
+
+def _sft_batches(recipe: TinyRecipe, tokenizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless right-padded (input_ids, attention_mask, labels) batches; labels only on the completion."""
+    rng = random.Random(recipe.seed)
+    rows = synthetic_problems(recipe.sft_steps * recipe.sft_batch // 4 + 256, recipe.seed, "warmstart")
+
+    def ids(texts: list[str]) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    prompts = ids([tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+                   for r in rows])
+    hashed = ids([_sft_target(r["extra_info"]["answer"], True) + EOS for r in rows])
+    plain = ids([_sft_target(r["extra_info"]["answer"], False) + EOS for r in rows])
+    while True:
+        seqs = []
+        for i in rng.sample(range(len(rows)), recipe.sft_batch):
+            target = hashed[i] if rng.random() < recipe.format_fraction else plain[i]
+            seqs.append((prompts[i] + target, [-100] * len(prompts[i]) + target))
+        width = max(len(s) for s, _ in seqs)
+        input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(seqs), width), -100)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (s, lab) in enumerate(seqs):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            labels[i, : len(s)] = torch.tensor(lab)
+            mask[i, : len(s)] = 1
+        yield input_ids, mask, labels
+
+
+def train_tiny(recipe: TinyRecipe, tokenizer, log: Callable[[str], None] | None = None):
+    """Initialise the tiny Qwen3 model from ``recipe.seed`` and warm-start it; returns the model (float32)."""
+    from transformers import Qwen3ForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a fixed count keeps CPU reductions, hence the weights, reproducible
+    try:
+        torch.manual_seed(recipe.seed)
+        model = Qwen3ForCausalLM(tiny_config(recipe, tokenizer))
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+        warmup = max(1, recipe.sft_steps // 20)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / recipe.sft_steps))
+        batches = _sft_batches(recipe, tokenizer)
+        for step in range(recipe.sft_steps):
+            ids, mask, labels = next(batches)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if log is not None and (step % 100 == 0 or step == recipe.sft_steps - 1):
+                log(f"warm start step {step}/{recipe.sft_steps} loss {loss.item():.4f}")
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return model
+
+
+def _save_tiny(recipe: TinyRecipe, out: Path, log: Callable[[str], None] | None) -> None:
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer(recipe)
+    model = train_tiny(recipe, tokenizer, log)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True,
+        temperature=1.0, top_p=1.0, max_new_tokens=32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "zbench_recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2) + "\n")
+
+
+def build_tiny(cache_dir: str | Path | None = None, recipe: TinyRecipe | None = None,
+               log: Callable[[str], None] | None = None) -> Path:
+    """Directory of the embedded tiny model (model, tokenizer, generation config), built on first use."""
+    recipe = recipe or TinyRecipe()
+    key = _key("tiny", dataclasses.asdict(recipe))
+    return _cached_build(cache_root(cache_dir), key, lambda out: _save_tiny(recipe, out, log))
+
+
+# ------------------------------------------------------------------------------------------- shape presets
+
+
+def qwen3_06b_config(tokenizer=None):
+    """Qwen3-0.6B's exact architecture (596M parameters with tied embeddings); special-token ids from
+    ``tokenizer`` when given, else Qwen3's own."""
+    from transformers import Qwen3Config
+
+    pad, eos, bos = (151643, 151645, 151643) if tokenizer is None else (
+        tokenizer.pad_token_id, tokenizer.eos_token_id, None)
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
+        max_window_layers=28, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        pad_token_id=pad, eos_token_id=eos, bos_token_id=bos, dtype="bfloat16",
+    )
+
+
+SHAPE_PRESETS: dict[str, Callable] = {"qwen3-0.6b": qwen3_06b_config}
+
+
+def _random_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
+    """bf16 tensors for every parameter of ``config``'s model: N(0, initializer_range), norms at 1.
+
+    The model is instantiated on the meta device only to learn names and shapes, so nothing of full size is
+    initialised twice; tied weights appear once."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, param in model.named_parameters():  # named_parameters() yields a tied weight once
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(param.shape, dtype=torch.bfloat16)
+        else:
+            t = torch.empty(param.shape, dtype=torch.bfloat16)
+            state[name] = t.normal_(0.0, config.initializer_range, generator=gen)
+    return state
+
+
+def _save_shape_preset(name: str, seed: int, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer(TinyRecipe())
+    config = SHAPE_PRESETS[name](tokenizer)
+    assert len(tokenizer) <= config.vocab_size
+    config.save_pretrained(out)
+    save_file(_random_state_dict(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True, temperature=1.0, top_p=1.0).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def build_shape_preset(name: str, cache_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Directory of a random-weight bf16 model with a named preset's shape and the tiny tokenizer."""
+    if name not in SHAPE_PRESETS:
+        raise ValueError(f"unknown shape preset {name!r}; choose one of {', '.join(SHAPE_PRESETS)}")
+    key = _key(name, {"seed": seed, "tokenizer": dataclasses.asdict(TinyRecipe())})
+    return _cached_build(cache_root(cache_dir), key, lambda out: _save_shape_preset(name, seed, out))
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """Model directory for ``spec``: ``tiny``, a shape preset (``qwen3-0.6b``) or a local HF model directory."""
+    if spec == "tiny":
+        return build_tiny(cache_dir)
+    if spec in SHAPE_PRESETS:
+        return build_shape_preset(spec, cache_dir)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        what = "is not a directory" if not path.is_dir() else "has no config.json"
+        raise ValueError(f"model {spec!r}: {path} {what}; give 'tiny', "
+                         f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face model directory")
+    return path
