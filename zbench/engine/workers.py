@@ -123,6 +123,12 @@ class _Worker:
                                                                            if p.requires_grad], config=ds_config)
         return engine
 
+    def optimizer_name(self) -> str:
+        """The optimizer that steps the parameters, inside DeepSpeed's ZeRO wrapper (e.g. DeepSpeedCPUAdam)."""
+        inner = getattr(self.engine, "basic_optimizer", None) or self.engine.optimizer
+        wrapper = type(self.engine.optimizer).__name__
+        return type(inner).__name__ if inner is self.engine.optimizer else f"{wrapper}({type(inner).__name__})"
+
     def memory(self) -> dict[str, float]:
         """Peak accelerator memory since the last call (then reset), and this process's resident memory."""
         out = {"rss_gb": psutil.Process().memory_info().rss / 2**30}
@@ -175,7 +181,7 @@ class PolicyWorker(_Worker):
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "optimizer": type(self.engine.optimizer).__name__, "backend": self.rollout.backend,
+                "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
@@ -315,9 +321,13 @@ class CriticWorker(_Worker):
         ds_cfg = self._ds_train_config(c.micro_batch_size_per_gpu, plan.grad_accum["critic"], c.lr, c.weight_decay,
                                        c.grad_clip)
         # no dropout in the value head: values must not depend on RNG state (parity across stages)
-        model = self._load(AutoModelForTokenClassification, ds_cfg, num_labels=1, classifier_dropout=0.0)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = self._load(AutoModelForTokenClassification, ds_cfg, config=config)
         self.engine = self._initialize(model, ds_cfg)
-        return {"optimizer": type(self.engine.optimizer).__name__}
+        return {"optimizer": self.optimizer_name()}
 
     def _values(self, mb: Batch) -> torch.Tensor:
         width = mb["responses"].shape[1]
