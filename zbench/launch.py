@@ -114,7 +114,7 @@ def kill_processes(pgid: int | None, extra: Sequence[psutil.Process], grace_s: f
         if sig == signal.SIGTERM:
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline and (_group_alive(pgid) or _alive(extra)):
-                time.sleep(0.05)
+                time.sleep(0.1)
     psutil.wait_procs(_alive(extra), timeout=2.0)
 
 
@@ -134,12 +134,6 @@ def _group_alive(pgid: int | None) -> bool:
 
 
 # ---------------------------------------------------------------- one case
-
-
-class Ticker(Protocol):
-    """Called from the watchdog thread on every poll (progress display refresh)."""
-
-    def __call__(self) -> None: ...
 
 
 @dataclass(eq=False)  # identity semantics: kept in a set of active cases
@@ -184,7 +178,7 @@ def _watchdog(
     step_timeout_s: float | None,
     grace_s: float,
     poll_s: float,
-    tick: Ticker | None,
+    tick: Callable[[], None] | None,
 ) -> None:
     started = time.time()
     while watch.proc.poll() is None:
@@ -329,7 +323,7 @@ def run_attempt(
     stop: threading.Event | None = None,
     kill_grace_s: float = 10.0,
     poll_s: float = 0.5,
-    tick: Ticker | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> Attempt:
     """``run_case`` returning also whether the failure is transient (retryable) or a config error."""
     cdir = Path(case_dir).resolve()
@@ -394,7 +388,7 @@ def run_case(
     stop: threading.Event | None = None,
     kill_grace_s: float = 10.0,
     poll_s: float = 0.5,
-    tick: Ticker | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run one attempt of a case and return its status dict (also written to ``<case_dir>/status.json``).
 
