@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,3 +309,4 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
     worker = int(log.split("worker pid ")[1].split()[0])
     assert_gone([worker])
     assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))
+    shutil.rmtree(launch.ray_tmpdir_for(cdir), ignore_errors=True)
