@@ -2,7 +2,7 @@
 
 A profile's fields become the case process's environment: ``ZBENCH_RAY_ADDRESS`` (empty = the case starts a
 private Ray on 127.0.0.1; ``auto``, ``host:port`` or ``ray://host:port`` = join that cluster) and
-``ZBENCH_NUM_WORKERS`` (empty = one per visible GPU, 2 on CPU), plus the profile's ``env`` verbatim.
+the profile's ``env`` verbatim; ``num_workers`` becomes the cases' ``trainer.world_size``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RunnerProfile:
     name: str  # the file's stem
     description: str = ""  # one line for `zbench runners` style listings
     ray_address: str = ""  # ZBENCH_RAY_ADDRESS: "" = local Ray per case; auto, host:port, ray://host:port
-    num_workers: int | None = None  # ZBENCH_NUM_WORKERS: None = one per visible GPU, 2 on CPU
+    num_workers: int | None = None  # ranks per case (trainer.world_size) unless --set names one; None: the matrix's
     python: str | None = None  # interpreter for the engine; None = the one running zbench
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment variables, verbatim
 
@@ -52,7 +52,6 @@ class RunnerProfile:
         return {
             **{k: str(v) for k, v in self.env.items()},
             "ZBENCH_RAY_ADDRESS": self.ray_address,
-            "ZBENCH_NUM_WORKERS": "" if self.num_workers is None else str(self.num_workers),
         }
 
     def command(self) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Ray for one case: start (or join) a cluster, reserve one bundle per rank, place worker groups on the bundles.
 
 `ZBENCH_RAY_ADDRESS` (set by the runner profile) names an existing cluster; empty means start a private one
-on 127.0.0.1 whose temporary files live in a folder derived from the case directory, recorded in
+on 127.0.0.1 whose temporary files live in `ZBENCH_RAY_TMPDIR` (or a folder derived from the case directory), recorded in
 `<case>/ray_tmpdir` so that the harness can remove every Ray process the case started, even after a crash.
 """
 
@@ -21,7 +21,10 @@ RAY_TMPDIR_FILE = "ray_tmpdir"
 
 
 def ray_tmpdir(case_dir: Path) -> Path:
-    """A short per-case Ray temp folder (Ray's socket paths must stay under ~107 characters)."""
+    """The case's Ray temp folder: the launcher's choice (ZBENCH_RAY_TMPDIR), else a short per-case one
+    (Ray's socket paths must stay under ~107 characters, so not inside the case directory)."""
+    if os.environ.get("ZBENCH_RAY_TMPDIR"):
+        return Path(os.environ["ZBENCH_RAY_TMPDIR"])
     digest = hashlib.sha1(str(case_dir.resolve()).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
 

@@ -1,0 +1,5 @@
+"""`python -m zbench`: the command line."""
+
+from zbench.cli import main
+
+main()

@@ -1,0 +1,244 @@
+"""zbench command line: parse, call one function, print. Every command's logic lives in its module.
+
+    zbench run six-case --seed 7777 --steps 60
+    zbench plot --run-root results/six-case_60_seed7777_20261121_120000
+    zbench merge results/<first-run> results/<rerun-of-failed-cases>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from zbench import __version__
+from zbench.config import ConfigError, dump_yaml, parse_set
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Which DeepSpeed ZeRO configuration for RL post-training, and what each costs.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare training prompts (verl's GSM8K parquet schema).")
+app.add_typer(data_app, name="data")
+console = Console()
+err_console = Console(stderr=True)
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key for every case: key=value "
+                                                                 "(e.g. zero.stage=3, model.path=/models/qwen3).")]
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print an error (no traceback) and exit."""
+    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _sets(items: list[str] | None) -> tuple[tuple[str, object], ...]:
+    return tuple(parse_set(i) for i in items or [])
+
+
+@app.command()
+def version() -> None:
+    """Print zbench's version."""
+    print(__version__)
+
+
+@app.command()
+def matrices() -> None:
+    """List the shipped matrices: name, number of cases, description."""
+    from zbench.matrix import expand, load_matrix, shipped_matrices
+
+    table = Table("matrix", "cases", "description")
+    for name in shipped_matrices():
+        m = load_matrix(name)
+        table.add_row(name, str(len(expand(m))), m.description)
+    console.print(table)
+
+
+@app.command()
+def show(
+    matrix: Annotated[str, typer.Argument(help="A shipped matrix name or a YAML file.")],
+    set_: SetOpt = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for every case.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Steps for every case.")] = None,
+    full: Annotated[bool, typer.Option(help="Print each case's whole resolved config.yaml.")] = False,
+) -> None:
+    """Show the expanded cases of a matrix with their effective knobs."""
+    from zbench.config import effective_offload
+    from zbench.matrix import expand, load_matrix
+
+    try:
+        cases = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_))
+    except ConfigError as err:
+        fail(str(err))
+    if full:
+        for c in cases:
+            print(f"# --- {c.name}\n{dump_yaml(c.config)}")
+        return
+    table = Table("case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
+                  "overrides")
+    for c in cases:
+        cfg = c.config
+        eff = effective_offload(cfg.zero.stage, cfg.zero.offload).label
+        table.add_row(c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
+                      str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
+                      ", ".join(f"{k}={v}" for k, v in c.overrides.items()))
+    console.print(table)
+
+
+@app.command()
+def env(ray_address: Annotated[str | None, typer.Option(help="Also report this Ray cluster's status.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Versions, GPUs, DeepSpeed op compatibility and Ray status: what a bug report needs."""
+    from zbench.store import environment_report
+
+    report = environment_report(ray_address)
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    for key, value in report.items():
+        if isinstance(value, dict):
+            console.print(f"[bold]{key}[/bold]")
+            for k, v in value.items():
+                console.print(f"  {k}: {v}", highlight=False)
+        else:
+            console.print(f"[bold]{key}[/bold]: {value}", highlight=False)
+
+
+@app.command()
+def run(
+    matrix: Annotated[str, typer.Argument(help="A shipped matrix name (see `zbench matrices`) or a YAML file.")],
+    seed: Annotated[int, typer.Option(help="Seed of every case (a matrix axis may set its own).")] = 7777,
+    steps: Annotated[int, typer.Option(help="Training steps per case.")] = 60,
+    set_: SetOpt = None,
+    cases: Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default <matrix>_<steps>_seed<seed>).")] = None,
+    results_dir: Annotated[str, typer.Option(help="Where run roots are created.")] = "results",
+    runner: Annotated[str, typer.Option(help="Runner profile: local, ray, or a YAML file.")] = "local",
+    case_timeout: Annotated[float | None, typer.Option(help="Kill a case after this many seconds.")] = None,
+    step_timeout: Annotated[float | None, typer.Option(help="Kill a case when no step lands for this many "
+                                                           "seconds (start-up counts as the first step).")] = 1800.0,
+    retries: Annotated[int, typer.Option(help="Extra attempts for transient failures (hangs, lost workers).")] = 1,
+    dry_run: Annotated[bool, typer.Option(help="Expand and validate the cases, print them, run nothing.")] = False,
+) -> None:
+    """Run every case of a matrix, each as its own process, into a new run root."""
+    from zbench.launch import RunInterrupted
+    from zbench.runs import RunRequest, exit_code, plan_cases, run_matrix
+    from zbench.runner_profile import load_runner_profile
+
+    try:
+        req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
+                         case_globs=tuple(g.strip() for g in (cases or "").split(",") if g.strip()), tag=tag,
+                         results_dir=results_dir, runner=runner, case_timeout_s=case_timeout,
+                         step_timeout_s=step_timeout, retries=retries)
+        if dry_run:
+            for c in plan_cases(req, load_runner_profile(runner)):
+                print(f"{c.name}\t" + " ".join(f"{k}={v}" for k, v in c.overrides.items()))
+            return
+        root, statuses = run_matrix(req, ["zbench", *sys.argv[1:]])
+    except (ConfigError, ValueError) as err:
+        fail(str(err))
+    except RunInterrupted as stop:
+        err_console.print(f"interrupted: summary written; continue with `zbench resume <run root>` ({stop})")
+        raise typer.Exit(stop.exit_code) from None
+    print(f"summary: {root.path / 'summary.tsv'}")
+    raise typer.Exit(exit_code(statuses))
+
+
+@app.command()
+def resume(
+    run_root: Annotated[str, typer.Argument(help="The run root to continue.")],
+    runner: Annotated[str | None, typer.Option(help="Runner profile (default: the one the run used).")] = None,
+    case_timeout: Annotated[float | None, typer.Option(help="Kill a case after this many seconds.")] = None,
+    step_timeout: Annotated[float | None, typer.Option(help="Kill a case when no step lands for this long.")] = 1800.0,
+    retries: Annotated[int, typer.Option(help="Extra attempts for transient failures.")] = 1,
+) -> None:
+    """Continue a run root: keep completed cases, rerun the others (from their checkpoint when there is one)."""
+    from zbench.launch import RunInterrupted
+    from zbench.runs import exit_code, resume_run
+    from zbench.store import StoreError
+
+    try:
+        root, statuses = resume_run(run_root, runner=runner, case_timeout_s=case_timeout,
+                                    step_timeout_s=step_timeout, retries=retries)
+    except (ConfigError, StoreError, ValueError) as err:
+        fail(str(err))
+    except RunInterrupted as stop:
+        err_console.print(f"interrupted: summary written; continue with `zbench resume {run_root}`")
+        raise typer.Exit(stop.exit_code) from None
+    print(f"summary: {root.path / 'summary.tsv'}")
+    raise typer.Exit(exit_code(statuses))
+
+
+@app.command()
+def merge(
+    run_roots: Annotated[list[str], typer.Argument(help="Run roots, first the original run, then reruns.")],
+    out: Annotated[str | None, typer.Option(help="Output TSV (default <first run root>/summary_complete.tsv).")] = None,
+    force: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")] = False,
+) -> None:
+    """Combine the summaries of several run roots; the latest completed attempt of each case wins."""
+    from zbench.store import StoreError
+    from zbench.store import merge as merge_roots
+
+    try:
+        result = merge_roots(run_roots, out, force)
+    except (StoreError, ValueError) as err:
+        fail(str(err))
+    for w in result.warnings:
+        err_console.print(f"warning: {w}")
+    done = sum(r.get("status") == "completed" for r in result.rows)
+    print(f"{result.path}: {len(result.rows)} cases, {done} completed")
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    src: Annotated[Path, typer.Option(help="GSM8K jsonl file or a folder holding train.jsonl and test.jsonl.")],
+    out: Annotated[Path, typer.Option(help="Folder for train.parquet / test.parquet.")] = Path("data/gsm8k"),
+) -> None:
+    """Convert GSM8K jsonl into verl's parquet schema."""
+    from zbench.data import convert_gsm8k
+
+    try:
+        for p in convert_gsm8k(src, out):
+            print(p)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@data_app.command("synthetic")
+def data_synthetic(
+    out: Annotated[Path, typer.Option(help="Folder for train.parquet / test.parquet.")] = Path("data/synthetic"),
+    n_train: Annotated[int, typer.Option(help="Training problems.")] = 4096,
+    n_test: Annotated[int, typer.Option(help="Test problems.")] = 512,
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
+) -> None:
+    """Generate GSM8K-style arithmetic problems in the same schema."""
+    from zbench.data import write_synthetic
+
+    for p in write_synthetic(out, n_train, n_test, seed):
+        print(p)
+
+
+@app.command()
+def model(
+    spec: Annotated[str, typer.Argument(help="tiny (the embedded default) or qwen3-0.6b (shape preset).")],
+) -> None:
+    """Build an embedded model into the cache now (runs build them on first use) and print its folder."""
+    from zbench.engine.models import resolve_model
+
+    try:
+        print(resolve_model(spec))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+def main() -> None:
+    """Console-script entry."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
