@@ -23,6 +23,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Which DeepSpeed ZeRO configuration for RL post-training, and what each costs.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training prompts (verl's GSM8K parquet schema).")
 app.add_typer(data_app, name="data")
+bench_app = typer.Typer(no_args_is_help=True, help="Floors to measure the engine against: bare DeepSpeed, bare generate.")
+app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -126,8 +128,8 @@ def run(
 ) -> None:
     """Run every case of a matrix, each as its own process, into a new run root."""
     from zbench.launch import RunInterrupted
-    from zbench.runs import RunRequest, exit_code, plan_cases, run_matrix
     from zbench.runner_profile import load_runner_profile
+    from zbench.runs import RunRequest, exit_code, plan_cases, run_matrix
 
     try:
         req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
@@ -233,6 +235,43 @@ def model(
         print(resolve_model(spec))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
+
+
+@bench_app.command("floor")
+def bench_floor(
+    model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
+    stage: Annotated[int, typer.Option(help="ZeRO stage.")] = 2,
+    offload: Annotated[str, typer.Option(help="none, cpu, nvme or auto.")] = "none",
+    seqs: Annotated[int, typer.Option(help="Sequences per rank per optimizer step.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 612,
+    micro: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 8,
+    world_size: Annotated[int, typer.Option(help="Ranks (GPUs).")] = 1,
+    steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
+) -> None:
+    """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints JSON."""
+    from zbench.bench import FloorSpec, floor
+
+    try:
+        spec = FloorSpec(model=model, stage=stage, offload=offload, seqs=seqs, seq_len=seq_len, micro=micro,
+                         world_size=world_size, steps=steps, gradient_checkpointing=gradient_checkpointing)
+        print(json.dumps(floor(spec)))
+    except (ValueError, ConfigError) as err:
+        fail(str(err))
+
+
+@bench_app.command("gen")
+def bench_gen(
+    model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
+    prompts: Annotated[int, typer.Option(help="Prompts in the batch.")] = 64,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 100,
+    new_tokens: Annotated[int, typer.Option(help="Generated tokens per prompt (forced).")] = 512,
+    static_cache: Annotated[bool, typer.Option(help="Static KV cache with a compiled decode step.")] = False,
+) -> None:
+    """Bare Hugging Face generate speed (sampling); prints JSON."""
+    from zbench.bench import generation
+
+    print(json.dumps(generation(model, prompts, prompt_len, new_tokens, static_cache)))
 
 
 def main() -> None:

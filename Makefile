@@ -1,0 +1,34 @@
+# zbench: `make demo` runs the six-case matrix on the embedded default and plots it; `make test` runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SEED ?= 7777
+STEPS ?= 60
+# This machine class has a CPU build of PyTorch on disk; pinning it here (not in pyproject) keeps pip from
+# pulling a multi-GB CUDA build. On a GPU machine install torch your usual way, then `pip install -e .`.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test lint clean
+
+$(BIN)/zbench: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(BIN)/zbench
+
+install: $(BIN)/zbench
+
+demo: install
+	$(BIN)/zbench run six-case --seed $(SEED) --steps $(STEPS) --tag demo_six-case_$(STEPS)_seed$(SEED)
+	$(BIN)/zbench plot --run-root "$$(ls -d results/demo_six-case_$(STEPS)_seed$(SEED)_* | tail -n 1)"
+
+test: install
+	$(BIN)/ruff check zbench tests
+	$(BIN)/python -m pytest -q -ra
+
+lint: install
+	$(BIN)/ruff check zbench tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

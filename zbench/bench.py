@@ -1,0 +1,144 @@
+"""Floors to measure the engine against, on the same machine and model: bare DeepSpeed training on the tokens
+an RL step trains on, and bare Hugging Face `generate`.
+
+    zbench bench floor --model qwen3-0.6b --stage 3 --seqs 32 --seq-len 612 --micro 8 --world-size 2
+    zbench bench gen --model qwen3-0.6b --prompts 64 --new-tokens 512
+
+`floor` spawns one process per rank (NCCL on CUDA, gloo on CPU), builds a DeepSpeed engine exactly as the
+engine's actor does (same config builder), and times forward + backward + optimizer steps over random tokens:
+the update phase of an RL step cannot be much faster than this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloorSpec:
+    """One bare-DeepSpeed measurement."""
+
+    model: str = "tiny"
+    stage: int = 2
+    offload: str = "none"
+    seqs: int = 32  # sequences per rank per optimizer step (an RL mini-batch's share of one rank)
+    seq_len: int = 612  # prompt + response tokens
+    micro: int = 8  # micro-batch per rank; grad accumulation = seqs / micro
+    world_size: int = 1
+    steps: int = 5  # timed optimizer steps, after `warmup`
+    warmup: int = 2
+    gradient_checkpointing: bool = False
+
+
+def _floor_rank(rank: int, spec: FloorSpec, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from zbench.config import ZeroConfig, effective_offload
+    from zbench.engine.ds_config import training_config
+    from zbench.engine.models import resolve_model
+
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
+    zero = ZeroConfig(stage=spec.stage, offload=spec.offload)
+    offload = effective_offload(spec.stage, spec.offload)
+    accum = spec.seqs // spec.micro
+    cfg = training_config(zero, offload, micro_batch=spec.micro, grad_accum=accum, world_size=spec.world_size,
+                          lr=1e-5, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda, on_cuda=on_cuda,
+                          nvme_path=str(Path(tempfile.gettempdir()) / "zbench-floor-nvme"))
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(spec.model), dtype=dtype)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    device = engine.device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for i in range(spec.warmup + spec.steps):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (spec.micro, spec.seq_len), generator=g).to(device)
+            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+        if i >= spec.warmup:
+            times.append(time.perf_counter() - start)
+    if rank == 0:
+        step = statistics.median(times)
+        result = {**asdict(spec), "step_s_median": step, "step_s_all": times,
+                  "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
+                  "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
+                  "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
+                  "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
+        Path(out).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def floor(spec: FloorSpec) -> dict[str, Any]:
+    """Median optimizer-step time of bare DeepSpeed for `spec`, and tokens per second per GPU."""
+    import torch.multiprocessing as mp
+
+    from zbench.engine.workers import free_port
+
+    if spec.seqs % spec.micro:
+        raise ValueError(f"seqs={spec.seqs} must be a multiple of micro={spec.micro}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "floor.json")
+        mp.spawn(_floor_rank, args=(spec, free_port(), out), nprocs=spec.world_size, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, static_cache: bool,
+               repeats: int = 2) -> dict[str, Any]:
+    """Tokens per second of `generate` (sampling, forced to `new_tokens`), best of `repeats` after a warm-up."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from zbench.engine.models import resolve_model
+
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if on_cuda else "cpu")
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    lm = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(device).eval()
+    ids = torch.randint(10, 200, (prompts, prompt_len), device=device)
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None,
+                           cache_implementation="static" if static_cache else None)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first call compiles / warms up
+            if on_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            if on_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    best = min(times[1:])
+    return {"model": model, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "static_cache": static_cache, "cold_s": times[0], "best_s": best,
+            "generated_tokens_per_s": prompts * new_tokens / best,
+            "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
