@@ -106,15 +106,15 @@ def _step(rng: random.Random, value: int, name: str, items: str) -> tuple[str, s
     if op == "*" and value > 12:
         op = rng.choice("+-")
     if op == "+":
-        b = rng.randint(1, 20)
+        b = rng.randint(1, 10)
         text = rng.choice((f"Then {name} gets {b} more.", f"Then {name} finds {b} more {items}.",
                            f"A friend gives {name} {b} more."))
     elif op == "-":
-        b = rng.randint(1, min(value - 1, 20))
+        b = rng.randint(1, min(value - 1, 10))
         text = rng.choice((f"Then {name} gives away {b}.", f"Then {name} loses {b} of them.",
                            f"Then {name} sells {b} {items}."))
     else:
-        b = rng.randint(2, 5)
+        b = rng.randint(2, 3)
         text = rng.choice((f"Then the number of {items} grows {b} times.",
                            f"Then {name} ends up with {b} times as many."))
     return text, op, b
@@ -124,16 +124,16 @@ def _first(rng: random.Random, name: str, items: str) -> tuple[str, int, str, in
     """The opening fact: (sentences, a, operator, b)."""
     kind = rng.randrange(3)
     if kind == 0:
-        a, b = rng.randint(1, 50), rng.randint(1, 40)
+        a, b = rng.randint(1, 30), rng.randint(1, 20)
         text = f"{name} has {a} {items}. {name} buys {b} more {items}."
         return text, a, "+", b
     if kind == 1:
-        a = rng.randint(5, 60)
+        a = rng.randint(5, 40)
         b = rng.randint(1, a - 1)
         text = rng.choice((f"{name} has {a} {items}. {name} gives {b} {items} to a friend.",
                            f"{name} had {a} {items} and lost {b} of them."))
         return text, a, "-", b
-    a, b = rng.randint(2, 9), rng.randint(2, 12)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
     box = rng.choice(_CONTAINERS)
     text = f"{name} has {a} {box} with {b} {items} in each."
     return text, a, "*", b
