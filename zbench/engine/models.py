@@ -55,7 +55,7 @@ class TinyRecipe:
     head_dim: int = 16
     intermediate_size: int = 192
     max_positions: int = 512
-    sft_steps: int = 1500  # optimizer steps of the warm start
+    sft_steps: int = 800  # optimizer steps of the warm start
     sft_batch: int = 64
     sft_lr: float = 3e-3
     format_fraction: float = 0.3  # share of warm-start targets ending in "#### N" (else "The answer is N.")
