@@ -110,7 +110,12 @@ class _Worker:
         try:
             model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype, **kwargs)
         finally:
-            del zero3
+            if zero3 is not None:
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+                # the hook is global: left set, every later from_pretrained (replica, reference) is partitioned too
+                unset_hf_deepspeed_config()
+                del zero3
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -212,6 +217,8 @@ class PolicyWorker(_Worker):
 
         r = self.cfg.rollout
         replica = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        if any(hasattr(p, "ds_id") for p in replica.parameters()):
+            raise RuntimeError("the rollout replica was partitioned by ZeRO-3; it must hold full weights")
         self.replica_home = self.device
         self.park_replica = self.on_cuda and self.offload.optimizer != "none"
         replica.to("cpu" if self.park_replica else self.device)
