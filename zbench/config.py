@@ -108,7 +108,7 @@ class RolloutConfig:
 class ActorConfig:
     """Policy optimisation (verl's batch semantics: mini-batches in prompts, micro-batches in sequences)."""
 
-    lr: float = 5e-4
+    lr: float = 1e-4  # suits the embedded tiny model; real LLMs want ~1e-6 (verl's default)
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # DeepSpeed gradient_clipping; 0 disables
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (times rollout.n sequences)

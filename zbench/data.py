@@ -99,18 +99,18 @@ _CONTAINERS = ("boxes", "bags", "jars", "baskets", "packs")
 
 
 def _step(rng: random.Random, value: int, name: str, items: str) -> tuple[str, str, int]:
-    """A follow-up operation on a running total: (sentence, operator, operand)."""
+    """A follow-up operation on a running total: (sentence, operator, operand); operands stay single-digit."""
     op = rng.choice("+-*")
     if op == "-" and value < 2:
         op = "+"
-    if op == "*" and value > 12:
+    if op == "*" and value > 9:
         op = rng.choice("+-")
     if op == "+":
-        b = rng.randint(1, 10)
+        b = rng.randint(1, 9)
         text = rng.choice((f"Then {name} gets {b} more.", f"Then {name} finds {b} more {items}.",
                            f"A friend gives {name} {b} more."))
     elif op == "-":
-        b = rng.randint(1, min(value - 1, 10))
+        b = rng.randint(1, min(value - 1, 9))
         text = rng.choice((f"Then {name} gives away {b}.", f"Then {name} loses {b} of them.",
                            f"Then {name} sells {b} {items}."))
     else:
@@ -121,19 +121,19 @@ def _step(rng: random.Random, value: int, name: str, items: str) -> tuple[str, s
 
 
 def _first(rng: random.Random, name: str, items: str) -> tuple[str, int, str, int]:
-    """The opening fact: (sentences, a, operator, b)."""
+    """The opening fact: (sentences, a, operator, b), with single-digit operands."""
     kind = rng.randrange(3)
     if kind == 0:
-        a, b = rng.randint(1, 30), rng.randint(1, 20)
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
         text = f"{name} has {a} {items}. {name} buys {b} more {items}."
         return text, a, "+", b
     if kind == 1:
-        a = rng.randint(5, 40)
+        a = rng.randint(3, 9)
         b = rng.randint(1, a - 1)
         text = rng.choice((f"{name} has {a} {items}. {name} gives {b} {items} to a friend.",
                            f"{name} had {a} {items} and lost {b} of them."))
         return text, a, "-", b
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    a, b = rng.randint(2, 5), rng.randint(2, 5)
     box = rng.choice(_CONTAINERS)
     text = f"{name} has {a} {box} with {b} {items} in each."
     return text, a, "*", b
@@ -154,7 +154,7 @@ def synthetic_problems(n: int, seed: int, split: str) -> list[dict]:
         text, a, op, b = _first(rng, name, items)
         value = _apply(a, op, b)
         steps = [(a, op, b, value)]
-        if rng.random() < 0.5:
+        if rng.random() < 0.3:
             more, op2, c = _step(rng, value, name, items)
             text = f"{text} {more}"
             steps.append((value, op2, c, _apply(value, op2, c)))

@@ -30,7 +30,7 @@ import torch
 from zbench.data import synthetic_problems
 
 # Bump when the build code changes in a way the recipe fields do not capture.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
