@@ -65,9 +65,9 @@ class PromptStream:
         return [self._perm(p // n)[p % n] for p in range((step - 1) * self.batch, step * self.batch)]
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ids and attention mask."""
-    width = max(len(s) for s in seqs)
+def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ids and attention mask, to a width rounded up to `multiple`."""
+    width = -(-max(len(s) for s in seqs) // multiple) * multiple
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -169,7 +169,8 @@ class Trainer:
         prompt_ids = [self.prompts.ids[i] for i in idx for _ in range(n)]
         truths = [self.prompts.truths[i] for i in idx for _ in range(n)]
         group_ids = torch.arange(len(idx)).repeat_interleave(n)
-        p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
+        # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run
+        p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if cfg.rollout.static_cache else 1)
 
         with self._timed("gen"):
             gen = gather(self.policy.call_sharded("generate", shard({"input_ids": p_ids, "attention_mask": p_mask}, dp),
