@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from zbench import store
 from zbench.config import ConfigError, dump_yaml, load_case_config
 from zbench.launch import LaunchOptions, options_for_profile, run_cases
-from zbench.matrix import Case, check_name, expand, load_matrix
+from zbench.matrix import Case, check_name, expand, load_matrix, shipped_matrices
 from zbench.progress import make_progress
 from zbench.runner_profile import RunnerProfile, load_runner_profile
 
@@ -65,7 +65,9 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     matrix = load_matrix(req.matrix)
     tag = check_name(req.tag or f"{matrix.name}_{req.steps}_seed{req.seed}", "tag")
     prepare_models({c.config.model.path for c in cases}, out)
-    root = store.RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix.source, seed=req.seed,
+    # recorded as the user named it: a shipped matrix by its package path, a file by the path given
+    matrix_file = f"matrices/{matrix.name}.yaml" if req.matrix in shipped_matrices() else req.matrix
+    root = store.RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
                                 steps=req.steps, cases=cases, command=argv, runner=profile.name)
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,

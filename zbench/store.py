@@ -614,6 +614,10 @@ def _git_info() -> dict[str, Any]:
             return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
         except (OSError, subprocess.TimeoutExpired):
             continue
+    # a copy without .git (a shipped tree, a remote machine) can say where it came from
+    if os.environ.get("ZBENCH_GIT_COMMIT"):
+        return {"commit": os.environ["ZBENCH_GIT_COMMIT"], "dirty": os.environ.get("ZBENCH_GIT_DIRTY") == "1",
+                "source": "ZBENCH_GIT_COMMIT"}
     return {"commit": None, "dirty": None}
 
 
