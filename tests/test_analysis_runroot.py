@@ -142,7 +142,7 @@ def make_run_root(parent: Path, cases: tuple[FakeCase, ...] = SIX_CASES, steps: 
         def col(df, key):
             return float(df[key].mean()) if key in df.columns and not df.empty else None
 
-        def peak(key):
+        def peak(key, m=m):
             return float(m[key].max()) if key in m.columns and not m.empty else None
 
         rows.append({
@@ -214,7 +214,7 @@ def test_missing_and_unknown_columns(tmp_path):
     rows = read_rows(root / "summary.tsv")
     cols = tuple(c for c in SUMMARY_COLUMNS if c not in ("score_last", "wall_s"))
     write_summary(root / "summary.tsv", rows, cols)
-    with pytest.raises(RunRootError, match="missing summary column.*wall_s, score_last"):
+    with pytest.raises(RunRootError, match=r"missing summary column.*wall_s, score_last"):
         read_summary(root / "summary.tsv")
     write_summary(root / "summary.tsv", [r | {"extra": "x"} for r in rows], (*SUMMARY_COLUMNS, "extra"))
     warnings: list[str] = []
@@ -230,5 +230,5 @@ def test_missing_and_empty_roots(tmp_path):
         load_run_root(tmp_path / "empty")
     root = make_run_root(tmp_path, steps=2)
     (root / "summary.tsv").unlink()
-    with pytest.raises(RunRootError, match="summary.tsv does not exist"):
+    with pytest.raises(RunRootError, match=r"summary\.tsv does not exist"):
         load_run_root(root)

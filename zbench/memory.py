@@ -143,7 +143,8 @@ def model_states(n_params: int, largest_layer: int, stage: int, offload: str, dp
     optim = n_params * o_b / (dp if stage >= 1 else 1)
     working = largest_layer * (p_b + g_b) if stage == 3 else 0
     eff = effective_offload(stage, offload)
-    target = "nvme" if offload == "nvme" else "cpu"
+    # DeepSpeed's ZeRO-1/2 optimizer keeps "nvme" offload in CPU memory; only stage 3 swaps to NVMe.
+    target = "nvme" if offload == "nvme" and stage == 3 else "cpu"
     where = {"gpu": params + grads + working, "cpu": 0.0, "nvme": 0.0}
     if eff == "none":
         where["gpu"] += optim
@@ -202,7 +203,7 @@ def _get(cfg: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
 
 def case_precision(cfg: Mapping[str, Any]) -> str:
     """"bf16" or "fp32": an explicit dtype key if the config has one, else fp32 on CPU and bf16 on GPU."""
-    for key in ("zero.precision", "actor.dtype", "trainer.precision", "trainer.dtype", "model.dtype"):
+    for key in ("model.dtype", "actor.dtype", "trainer.precision"):
         value = str(_get(cfg, key, "") or "").lower()
         if value in ("bf16", "bfloat16", "fp16", "float16", "half"):
             return "bf16"

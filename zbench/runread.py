@@ -227,7 +227,7 @@ def load_spec(name_or_path: str | Path) -> dict[str, Any]:
 
             local = Path(zbench.__file__).parents[1] / "analysis" / fname
             if not local.is_file():
-                raise RunRootError(f"analysis spec {name_or_path!r} not found (no file, no analysis/{fname})")
+                raise RunRootError(f"analysis spec {name_or_path!r} not found (no file, no analysis/{fname})") from None
             text = local.read_text()
     data = yaml.safe_load(text)
     if not isinstance(data, dict):

@@ -1,0 +1,196 @@
+"""A run root's report: report.md and a self-contained report.html (figures embedded as base64 PNG)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from zbench.curves import collect_series, default_names, render_curves
+from zbench.memory import GIB, estimate_case
+from zbench.runread import (
+    RunRoot,
+    load_run_root,
+    load_spec,
+    read_case_config,
+    read_metrics,
+    require_completed,
+)
+
+
+@dataclass(slots=True)
+class Report:
+    """Paths written and warnings collected."""
+
+    markdown: Path
+    html: Path
+    warnings: list[str]
+
+
+def environment_lines(manifest: dict) -> list[str]:
+    """The environment in two lines: software, then hardware and run."""
+    v = manifest.get("versions", {})
+    git = manifest.get("git", {})
+    soft = " · ".join([f"zbench {manifest.get('zbench_version', '?')}",
+                       f"git {str(git.get('commit') or '?')[:10]}{' (dirty)' if git.get('dirty') else ''}",
+                       *(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed", "ray", "transformers", "vllm")
+                         if v.get(k))])
+    gpus = manifest.get("gpus") or []
+    hw = f"{len(gpus)}× {gpus[0].get('name')} ({gpus[0].get('memory_gb')} GB)" if gpus else "CPU only"
+    run = " · ".join([hw, f"host {manifest.get('host', '?')}", f"runner {manifest.get('runner', '?')}",
+                      f"matrix {manifest.get('matrix', '?')}", f"seed {manifest.get('seed', '?')}",
+                      f"{manifest.get('steps', '?')} steps",
+                      f"{manifest.get('started_at', '?')} → {manifest.get('ended_at', '?')}"])
+    return [soft, run]
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+
+
+def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
+    """One row per case with its figures and ratios to the baseline case."""
+    done = require_completed(run)
+    base = next((c for c in run.cases if c.name == baseline), None) if baseline else done[0]
+    if base is None:
+        raise ValueError(f"report baseline {baseline!r} is not a case of {run.path}")
+    gpu = not all(math.isnan(c.value("max_memory_reserved_gb")) for c in run.cases)
+    mem_col = "max_memory_reserved_gb" if gpu else "cpu_memory_used_gb"
+    rows = []
+    for c in run.cases:
+        mem, base_mem = c.value(mem_col), base.value(mem_col)
+        rows.append({
+            "case": c.name, "status": c.status,
+            "steps": f"{int(c.value('steps_completed') or 0)}/{int(c.value('steps_target') or 0)}",
+            "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
+            f"peak {'GPU' if gpu else 'CPU'} memory (GB)": mem,
+            "final score": c.value("score_last"), "best score": c.value("score_max"),
+            "memory saved": (1 - mem / base_mem) * 100 if base_mem else math.nan,
+            "speed ×": c.value("throughput_mean") / base.value("throughput_mean"),
+            "score Δ": c.value("score_last") - base.value("score_last"),
+        })
+    return pd.DataFrame(rows), base.name
+
+
+def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
+    """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N)."""
+    prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
+        int(spec.get("mean_from_step", 2))
+    out = {}
+    for c in run.cases:
+        m = read_metrics(c.dir / "metrics.jsonl")
+        m = m[m.index >= start] if (m.index >= start).any() else m
+        cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude]
+        if cols:
+            out[c.name] = m[cols].mean()
+    return pd.DataFrame(out).T.fillna(0.0)
+
+
+def memory_table(run: RunRoot) -> pd.DataFrame:
+    """Predicted per-rank memory (ZeRO formulas) beside measured peaks."""
+    rows = []
+    for c in run.cases:
+        cfg = read_case_config(c.dir)
+        try:
+            est = estimate_case(cfg, base_dir=c.dir)
+        except (ValueError, KeyError) as e:
+            rows.append({"case": c.name, "note": str(e)})
+            continue
+        rows.append({"case": c.name, "stage": est.stage, "offload": est.offload_effective,
+                     "predicted GPU (GB)": est.gpu_bytes / GIB, "predicted CPU (GB)": est.cpu_bytes / GIB,
+                     "measured GPU reserved (GB)": c.value("max_memory_reserved_gb"),
+                     "measured CPU used (GB)": c.value("cpu_memory_used_gb")})
+    return pd.DataFrame(rows)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def phase_figure(phases: pd.DataFrame) -> bytes:
+    """Stacked horizontal bar of mean phase times per case."""
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(phases) + 1.8), layout="constrained")
+    left = pd.Series(0.0, index=phases.index)
+    cmap = plt.get_cmap("tab10")
+    for i, col in enumerate(phases.columns):
+        ax.barh(phases.index, phases[col], left=left, label=str(col).split("/", 1)[-1], color=cmap(i % 10))
+        left += phases[col]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step (mean over steps 2..N)")
+    ax.set_title("Phase times per case")
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    cells = [[_fmt(v) if isinstance(v, float) else str(v) for v in row] for row in df.itertuples(index=False)]
+    head = "| " + " | ".join(map(str, df.columns)) + " |\n|" + "---|" * len(df.columns) + "\n"
+    return head + "".join("| " + " | ".join(r) + " |\n" for r in cells)
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v) if isinstance(v, float) else str(v))}</td>"
+                                    for v in row) + "</tr>" for row in df.itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;"
+        "text-align:right}th{background:#f0f0f0}td:first-child{text-align:left}img{max-width:100%}"
+        ".env{color:#555;font-size:13px}")
+
+
+def write_report(root: Path, spec: str | Path = "report") -> Report:
+    """Write report.md and report.html (with curves and phase figures) into the run root."""
+    run = load_run_root(root)
+    rspec = load_spec(spec)
+    table, base = case_table(run, rspec.get("baseline"))
+    series, warnings = collect_series([run])
+    fig, _ = render_curves(series, load_spec("plot"), f"{run.matrix} — {run.name}")
+    curves_png = _png(fig)
+    default_names(run, overlay=False)[0].write_bytes(curves_png)
+    phases = phase_times(run, rspec)
+    phase_png = phase_figure(phases) if not phases.empty else b""
+    mem = memory_table(run)
+    env = environment_lines(run.manifest)
+
+    md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",
+          f"## Cases (baseline: {base})", "", _md_table(table), "## Curves", "", "![curves](curves.png)", "",
+          "## Phase times", "", "![phases](phase_times.png)", "",
+          "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
+    (run.path / "phase_times.png").write_bytes(phase_png)
+    (run.path / "curves.png").write_bytes(curves_png)
+    md_path, html_path = run.path / "report.md", run.path / "report.html"
+    _atomic_write(md_path, "\n".join(md) + "\n")
+
+    def img(data: bytes, alt: str) -> str:
+        return f'<img alt="{alt}" src="data:image/png;base64,{base64.b64encode(data).decode()}">' if data else ""
+
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>zbench report — {html.escape(run.name)}"
+            f"</title><style>{_CSS}</style></head><body><h1>zbench report — {html.escape(run.name)}</h1>"
+            + "".join(f"<div class='env'>{html.escape(line)}</div>" for line in env)
+            + f"<h2>Cases (baseline: {html.escape(base)})</h2>{_html_table(table)}"
+            + f"<h2>Curves</h2>{img(curves_png, 'curves')}<h2>Phase times</h2>{img(phase_png, 'phase times')}"
+            + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
+            + "</body></html>")
+    _atomic_write(html_path, page)
+    return Report(md_path, html_path, run.warnings + warnings)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
