@@ -1,0 +1,123 @@
+"""plot, report, compare, parity and estimate through Typer's CliRunner on contract-shaped run roots."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pandas as pd
+import pytest
+import typer
+from PIL import Image
+from test_analysis_runroot import SIX_CASES, FakeCase, make_run_root, read_rows, write_summary
+from typer.testing import CliRunner
+
+from zbench import cli_analysis
+
+app = typer.Typer()
+for fn in (cli_analysis.plot, cli_analysis.report, cli_analysis.compare, cli_analysis.parity,
+           cli_analysis.estimate):
+    app.command()(fn)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_plot_defaults_and_metrics_tsv(tmp_path):
+    cases = (FakeCase("zero0", 0, status="oom", stop_step=4), *SIX_CASES[1:])
+    root = make_run_root(tmp_path, cases, steps=10, device="cuda")
+    r = invoke("plot", "--run-root", root)
+    assert r.exit_code == 0, r.output
+    png, tsv = root / "zero_six_curves.png", root / "zero_six_curves_metrics.tsv"
+    assert Image.open(png).size[0] > 1000
+    df = pd.read_csv(tsv, sep="\t")
+    assert list(df.columns[:5]) == ["run_root", "case", "algorithm", "status", "step"]
+    assert "perf/max_memory_reserved_gb" in df.columns and "critic/vf_loss" in df.columns
+    assert len(df) == 4 + 5 * 10 and df[df.case == "zero0"].step.max() == 4
+
+
+def test_plot_cpu_fallback_overlay_and_max_step(tmp_path):
+    a = make_run_root(tmp_path, SIX_CASES[:2], steps=6, matrix="grpo-six", name="before")
+    b = make_run_root(tmp_path, SIX_CASES[:2], steps=6, matrix="grpo-six", name="after")
+    r = invoke("plot", "--run-root", a, "--run-root", b, "--max-step", 3)
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(a / "grpo-six_overlay_curves_metrics.tsv", sep="\t")
+    assert "perf/cpu_memory_used_gb" in df.columns and "perf/max_memory_reserved_gb" not in df.columns
+    assert set(df.run_root) == {"before", "after"} and df.step.max() == 3
+
+
+def test_plot_errors_are_clear(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = invoke("plot", "--run-root", tmp_path / "empty")
+    assert r.exit_code == 2 and "is empty" in r.output
+    root = make_run_root(tmp_path, steps=2)
+    cols = tuple(c for c in read_rows(root / "summary.tsv")[0] if c != "status")
+    write_summary(root / "summary.tsv", read_rows(root / "summary.tsv"), cols)
+    r = invoke("plot", "--run-root", root)
+    assert r.exit_code == 2 and "missing summary column(s) status" in r.output
+
+
+def test_compare_passes_then_fails_on_doctored_copy(tmp_path):
+    base = make_run_root(tmp_path, steps=5, name="base")
+    new = tmp_path / "new"
+    shutil.copytree(base, new)
+    assert invoke("compare", base, new).exit_code == 0
+    rows = read_rows(new / "summary.tsv")
+    rows[1]["throughput_mean"] = str(float(rows[1]["throughput_mean"]) * 0.9)
+    rows[2] |= {"status": "oom", "reason": "CUDA out of memory"}
+    write_summary(new / "summary.tsv", rows[:-1])
+    r = invoke("compare", base, new / "summary.tsv", "--fail-on", "perf/throughput:-5%,score_last:-0.05")
+    assert r.exit_code == 1
+    assert "zero1: throughput_mean" in r.output and "crosses throughput_mean:-5%" in r.output
+    assert "zero2: oom in NEW" in r.output and "zero3_cpu_offload: missing in NEW" in r.output
+    assert invoke("compare", base, new, "--fail-on", "bogus:-5%").exit_code == 2
+
+
+def test_parity_detects_divergence(tmp_path):
+    root = make_run_root(tmp_path, (*SIX_CASES[:3], FakeCase("grpo_zero1", 1, algorithm="grpo")), steps=2)
+    r = invoke("parity", root)
+    assert r.exit_code == 0 and "ppo: zero0, zero1, zero2; grpo: grpo_zero1" in r.output
+    path = root / "zero2" / "metrics.jsonl"
+    text = path.read_text().splitlines()
+    rec = json.loads(text[0])
+    rec["actor/pg_loss"] += 0.5
+    rec["timing_s/gen"] += 9  # timing never counts
+    path.write_text("\n".join([json.dumps(rec), *text[1:]]) + "\n")
+    r = invoke("parity", root, "--step", 1)
+    assert r.exit_code == 1 and "zero2: actor/pg_loss" in r.output and "zero0 has" in r.output
+    assert "timing" not in r.output
+
+
+def test_estimate_run_root(tmp_path):
+    root = make_run_root(tmp_path, SIX_CASES[:2], steps=1, model="qwen3-0.6b")
+    r = invoke("estimate", "--run-root", root)
+    assert r.exit_code == 0 and "596,049,920" in r.output
+    assert invoke("estimate").exit_code == 2
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    root = make_run_root(tmp_path, (FakeCase("zero0", 0, status="oom", stop_step=3), *SIX_CASES[1:]),
+                         steps=8, device="cuda")
+    r = invoke("report", "--run-root", root)
+    assert r.exit_code == 0, r.output
+    md, page = (root / "report.md").read_text(), (root / "report.html").read_text()
+    assert "baseline: zero1" in md and "| zero0 | oom | 3/8 |" in md
+    assert page.count("data:image/png;base64,") == 2 and "src=\"http" not in page
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        pytest.skip("chromium not installed")
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run", f"--screenshot={shot}",
+                    "--window-size=1400,2000", (root / "report.html").as_uri()], check=True, timeout=120,
+                   capture_output=True)
+    img = Image.open(shot).convert("L")
+    assert img.size == (1400, 2000) and img.getextrema()[0] < 50  # rendered dark text, not a blank page
+
+
+def test_report_without_completed_case(tmp_path):
+    root = make_run_root(tmp_path, (FakeCase("zero0", 0, status="failed", stop_step=1),), steps=2)
+    r = invoke("report", "--run-root", root)
+    assert r.exit_code == 2 and "no completed case (zero0=failed)" in r.output
