@@ -15,11 +15,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.figure import Figure
 
-from zbench.runread import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics  # noqa: E402
+from zbench.runread import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
 # Ten strong colours first, then their light partners: hashing lands on the strong ones as often.
 PALETTE: tuple[str, ...] = (
