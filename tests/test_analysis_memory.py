@@ -70,3 +70,14 @@ def test_stage_ordering_and_case_extras():
     assert est.gpu_bytes == 2 * est.actor.gpu + 2 * n + 2 * n  # actor, critic, reference, replica
     grpo = estimate_case(cfg | {"algorithm": "grpo", "zero": {"stage": 3, "offload": "cpu"}})
     assert grpo.critic is None and not grpo.replica_on_gpu and grpo.cpu_bytes > 2 * n
+
+
+def test_tiny_dims_match_the_built_model() -> None:
+    """The estimator's table for the embedded default must describe the model the engine actually trains."""
+    from transformers import AutoModelForCausalLM
+
+    from zbench.engine.models import resolve_model
+    from zbench.memory import MODEL_DIMS, param_count
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"))
+    assert param_count(MODEL_DIMS["tiny"]) == sum(p.numel() for p in model.parameters())

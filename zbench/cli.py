@@ -274,6 +274,17 @@ def bench_gen(
     print(json.dumps(generation(model, prompts, prompt_len, new_tokens, static_cache)))
 
 
+def _register_analysis() -> None:
+    from zbench import cli_analysis
+
+    for fn in (cli_analysis.plot, cli_analysis.report, cli_analysis.compare, cli_analysis.parity,
+               cli_analysis.estimate):
+        app.command()(fn)
+
+
+_register_analysis()
+
+
 def main() -> None:
     """Console-script entry."""
     app()

@@ -55,7 +55,7 @@ class ModelDims:
 
 
 MODEL_DIMS: dict[str, ModelDims] = {
-    "tiny": ModelDims(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    "tiny": ModelDims(vocab_size=502, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16, intermediate_size=192, tie_word_embeddings=True),
     "qwen3-0.6b": ModelDims(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
                             num_kv_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True),

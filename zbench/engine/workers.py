@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,26 @@ class _Worker:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                            if p.requires_grad], config=ds_config)
         return engine
+
+    def _train(self, batch: Batch, micro: int,
+               loss_fn: Callable[[Batch, dict[str, list[float]]], torch.Tensor]) -> dict[str, float]:
+        """ppo_epochs passes over this rank's batch in mini-batches (one optimizer step each, DeepSpeed
+        accumulating the micro-batches); returns the mean of every recorded statistic, grad norm and lr."""
+        plan = self.cfg.batch_plan()
+        self.engine.train()
+        stats: dict[str, list[float]] = defaultdict(list)
+        batch = self._to_device(batch)
+        for _ in range(self.cfg.actor.ppo_epochs):
+            for mini_batch in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
+                for mb in micro_batches(mini_batch, micro):
+                    self.engine.backward(loss_fn(mb, stats))
+                    self.engine.step()
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    stats[f"{self.role}/grad_norm"].append(float(norm))
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out[f"{self.role}/lr"] = self.engine.get_lr()[0]
+        return out
 
     def optimizer_name(self) -> str:
         """The optimizer that steps the parameters, inside DeepSpeed's ZeRO wrapper (e.g. DeepSpeedCPUAdam)."""
@@ -269,37 +290,27 @@ class PolicyWorker(_Worker):
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch."""
-        a, plan = self.cfg.actor, self.cfg.batch_plan()
-        self.engine.train()
-        mini = plan.mini_batch_sequences // self.world_size
-        stats: dict[str, list[float]] = defaultdict(list)
-        batch = self._to_device(batch)
-        for _ in range(a.ppo_epochs):
-            for mini_batch in micro_batches(batch, mini):
-                for mb in micro_batches(mini_batch, a.micro_batch_size_per_gpu):
-                    mask = mb["response_mask"]
-                    logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
-                    pg_loss, clipfrac, ppo_kl = algos.policy_loss(
-                        mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
-                        a.clip_ratio_c or None)
-                    entropy = algos.masked_mean(ent, mask)
-                    loss = pg_loss - a.entropy_coeff * entropy
-                    if a.use_kl_loss:
-                        kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask)
-                        loss = loss + a.kl_loss_coef * kl
-                        stats["actor/kl_loss"].append(kl.item())
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    stats["actor/pg_loss"].append(pg_loss.item())
-                    stats["actor/pg_clipfrac"].append(clipfrac.item())
-                    stats["actor/ppo_kl"].append(ppo_kl.item())
-                    stats["actor/entropy"].append(entropy.item())
-                norm = self.engine.get_global_grad_norm()
-                if norm is not None:
-                    stats["actor/grad_norm"].append(float(norm))
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["actor/lr"] = self.engine.get_lr()[0]
-        return out
+        a = self.cfg.actor
+
+        def loss_fn(mb: Batch, stats: dict[str, list[float]]) -> torch.Tensor:
+            mask = mb["response_mask"]
+            logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
+            pg_loss, clipfrac, ppo_kl = algos.policy_loss(
+                mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
+                a.clip_ratio_c or None)
+            entropy = algos.masked_mean(ent, mask)
+            loss = pg_loss - a.entropy_coeff * entropy
+            if a.use_kl_loss:
+                kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask)
+                loss = loss + a.kl_loss_coef * kl
+                stats["actor/kl_loss"].append(kl.item())
+            stats["actor/pg_loss"].append(pg_loss.item())
+            stats["actor/pg_clipfrac"].append(clipfrac.item())
+            stats["actor/ppo_kl"].append(ppo_kl.item())
+            stats["actor/entropy"].append(entropy.item())
+            return loss
+
+        return self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
 
     @torch.no_grad()
     def sync_weights(self) -> dict[str, float]:
@@ -322,14 +333,12 @@ class CriticWorker(_Worker):
 
     def setup(self) -> dict[str, Any]:
         """Build the critic engine."""
-        from transformers import AutoModelForTokenClassification
+        from transformers import AutoConfig, AutoModelForTokenClassification
 
         c, plan = self.cfg.critic, self.cfg.batch_plan()
         ds_cfg = self._ds_train_config(c.micro_batch_size_per_gpu, plan.grad_accum["critic"], c.lr, c.weight_decay,
                                        c.grad_clip)
         # no dropout in the value head: values must not depend on RNG state (parity across stages)
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(self.model_path, num_labels=1)
         config.classifier_dropout = 0.0
         model = self._load(AutoModelForTokenClassification, ds_cfg, config=config)
@@ -351,24 +360,13 @@ class CriticWorker(_Worker):
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
-        c, plan = self.cfg.critic, self.cfg.batch_plan()
-        self.engine.train()
-        mini = plan.mini_batch_sequences // self.world_size
-        stats: dict[str, list[float]] = defaultdict(list)
-        batch = self._to_device(batch)
-        for _ in range(self.cfg.actor.ppo_epochs):
-            for mini_batch in micro_batches(batch, mini):
-                for mb in micro_batches(mini_batch, c.micro_batch_size_per_gpu):
-                    values = self._values(mb)
-                    vf_loss, clipfrac = algos.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
-                                                         c.cliprange_value)
-                    self.engine.backward(vf_loss)
-                    self.engine.step()
-                    stats["critic/vf_loss"].append(vf_loss.item())
-                    stats["critic/vf_clipfrac"].append(clipfrac.item())
-                norm = self.engine.get_global_grad_norm()
-                if norm is not None:
-                    stats["critic/grad_norm"].append(float(norm))
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["critic/lr"] = self.engine.get_lr()[0]
-        return out
+        c = self.cfg.critic
+
+        def loss_fn(mb: Batch, stats: dict[str, list[float]]) -> torch.Tensor:
+            vf_loss, clipfrac = algos.value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
+                                                 c.cliprange_value)
+            stats["critic/vf_loss"].append(vf_loss.item())
+            stats["critic/vf_clipfrac"].append(clipfrac.item())
+            return vf_loss
+
+        return self._train(batch, c.micro_batch_size_per_gpu, loss_fn)
