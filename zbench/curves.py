@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from zbench.runread import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
@@ -136,6 +137,7 @@ def render_curves(series: list[Series], spec: dict[str, Any], title: str) -> tup
         names = list(dict.fromkeys(_panel_metric(panel, a) for a in sorted(algos)))
         ax.set_title(f"{panel['title']}\n{' · '.join(names)}", fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.grid(True, alpha=0.3)
         for s in series:
