@@ -86,14 +86,21 @@ def test_interrupt_leaves_a_consistent_run_root(interrupted: Path) -> None:
     assert not [p for p in leftovers if p != str(os.getpid())], leftovers
 
 
-def test_resume_completes_without_touching_finished_cases(interrupted: Path, tmp_path: Path) -> None:
-    root = tmp_path / interrupted.name
+@pytest.fixture(scope="module")
+def resumed(interrupted: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """A copy of the interrupted run root, resumed to completion; with the first two cases' files before."""
+    root = tmp_path_factory.mktemp("resumed") / interrupted.name
     shutil.copytree(interrupted, root)
     before = {c: (root / c / "metrics.jsonl").read_bytes() for c in SIX[:2]}
     status_before = {c: (root / c / "status.json").read_text() for c in SIX[:2]}
     res = subprocess.run([*ZBENCH, "resume", str(root), "--retries", "0"], capture_output=True, text=True,
                          timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return root, before, status_before
+
+
+def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, dict, dict]) -> None:
+    root, before, status_before = resumed
     rows = summary(root)
     assert all(rows[c]["status"] == "completed" and rows[c]["steps_completed"] == str(STEPS) for c in SIX), rows
     for c in SIX[:2]:
@@ -135,3 +142,45 @@ def test_merge_of_two_partial_runs(interrupted: Path, tmp_path: Path) -> None:
     merged = summary(out.parent, out.name)
     assert list(merged) == SIX
     assert all(row["status"] == "completed" for row in merged.values()), merged
+
+
+def zb(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*ZBENCH, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_analysis_of_a_real_run(resumed: tuple[Path, dict, dict], tmp_path: Path) -> None:
+    """plot, report, compare and parity on the CPU six-case run, clean and doctored."""
+    root = resumed[0]
+    res = zb("plot", "--run-root", str(root))
+    assert res.returncode == 0, res.stderr
+    assert (root / "zero_six_curves.png").stat().st_size > 10_000
+    tsv = (root / "zero_six_curves_metrics.tsv").read_text().splitlines()
+    assert len(tsv) == 1 + 6 * STEPS and tsv[0].startswith("case\t")
+    res = zb("report", "--run-root", str(root))
+    assert res.returncode == 0, res.stderr
+    html = (root / "report.html").read_text()
+    assert "zero3_cpu_offload" in html and "data:image/png;base64," in html
+    assert zb("compare", str(root), str(root)).returncode == 0
+    assert zb("parity", str(root)).returncode == 0
+
+    doctored = tmp_path / "doctored"
+    shutil.copytree(root, doctored)
+    rows = (doctored / "summary.tsv").read_text().splitlines()
+    header = rows[0].split("\t")
+    col = header.index("throughput_mean")
+    cells = rows[3].split("\t")  # zero3_no_offload
+    cells[col] = str(float(cells[col]) * 0.5)
+    rows[3] = "\t".join(cells)
+    (doctored / "summary.tsv").write_text("\n".join(rows) + "\n")
+    res = zb("compare", str(root), str(doctored), "--fail-on", "perf/throughput:-5%")
+    assert res.returncode == 1
+    assert "zero3_no_offload" in res.stdout + res.stderr and "throughput" in res.stdout + res.stderr
+
+    metrics = doctored / "zero2_cpu_offload" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["actor/pg_loss"] = first["actor/pg_loss"] + 0.5
+    metrics.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    res = zb("parity", str(doctored))
+    assert res.returncode == 1
+    assert "zero2_cpu_offload" in res.stdout + res.stderr and "actor/pg_loss" in res.stdout + res.stderr

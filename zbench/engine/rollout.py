@@ -87,6 +87,21 @@ class HFRollout:
         return copied
 
 
+def size_buckets(named: list[tuple[str, Any]], limit_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive groups of parameters whose full (ZeRO-3: `ds_numel`) size reaches `limit_bytes` at most once
+    each: a group closes as soon as it holds `limit_bytes` or more; a single larger tensor is a group alone."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, param in named:
+        bucket.append((name, param))
+        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
+        if size >= limit_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def trained_weights(module: nn.Module, zero_stage: int, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) for every parameter of a DeepSpeed-wrapped module.
 
@@ -99,16 +114,6 @@ def trained_weights(module: nn.Module, zero_stage: int, bucket_mb: int) -> Itera
         return
     import deepspeed
 
-    limit = bucket_mb * 2**20
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, param in named:
-        bucket.append((name, param))
-        size += param.ds_numel * param.element_size()
-        if size >= limit:
-            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-                yield from ((n, p.detach()) for n, p in bucket)
-            bucket, size = [], 0
-    if bucket:
+    for bucket in size_buckets(named, bucket_mb * 2**20):
         with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
             yield from ((n, p.detach()) for n, p in bucket)

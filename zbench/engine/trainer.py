@@ -113,9 +113,13 @@ class Trainer:
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
         self.on_cuda = want != "cpu" and torch.cuda.is_available()
-        if self.cfg.rollout.backend == "vllm":
-            raise ConfigError("rollout.backend", "'vllm' is not available in this build of the engine; use 'hf' "
-                                                 "(or 'auto', which picks 'hf' here)")
+        from zbench.engine.vllm_rollout import installed_vllm, select_backend
+
+        # a backend that cannot run here is a config error before anything starts
+        self.backend = select_backend(self.cfg.rollout.backend, self.on_cuda, installed_vllm(), torch.__version__)
+        if self.backend == "vllm" and self.cfg.rollout.tensor_parallel_size != 1:
+            raise ConfigError("rollout.tensor_parallel_size", "the colocated layout runs one vLLM engine per rank on "
+                                                              "that rank's GPU; only 1 is supported")
         self.records = Records(case_dir)
         self.plan = self.cfg.batch_plan()
         self.timing: dict[str, float] = {}
@@ -181,6 +185,8 @@ class Trainer:
             "input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
             "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask,
         }
+        if "rollout_log_probs" in gen:
+            batch["rollout_log_probs"] = gen["rollout_log_probs"]
         fwd_keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
         with self._timed("reward"):
@@ -190,6 +196,10 @@ class Trainer:
                                                  correct_score=rc.correct_score) for t, g in zip(texts, truths, strict=True)])
         with self._timed("old_log_prob"):
             batch.update(gather(self.policy.call_sharded("compute_log_prob", shard(pick(batch, *fwd_keys), dp))))
+        if "rollout_log_probs" in batch:  # how far the rollout engine's sampling log-probs are from the actor's
+            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[r_mask.bool()]
+            metrics["actor/rollout_logprob_diff/mean"] = diff.mean().item()
+            metrics["actor/rollout_logprob_diff/max"] = diff.max().item()
         if self.info_needs_ref:
             with self._timed("ref"):
                 batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))

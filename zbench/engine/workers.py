@@ -232,11 +232,17 @@ class PolicyWorker(_Worker):
         return model
 
     def _build_rollout(self, pad_id: int, eos_ids: list[int]) -> Any:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        from zbench.engine import vllm_rollout
         from zbench.engine.rollout import HFRollout
 
         r = self.cfg.rollout
+        backend = vllm_rollout.select_backend(r.backend, self.on_cuda, vllm_rollout.installed_vllm(), torch.__version__)
+        self.park_replica = False
+        if backend == "vllm":
+            tied = bool(getattr(AutoConfig.from_pretrained(self.model_path), "tie_word_embeddings", False))
+            return vllm_rollout.build(self.model_path, self.cfg, pad_id, eos_ids, self.rank, tied)
         replica = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         if any(hasattr(p, "ds_id") for p in replica.parameters()):
             raise RuntimeError("the rollout replica was partitioned by ZeRO-3; it must hold full weights")

@@ -1,0 +1,113 @@
+"""The vLLM backend: selection, version pairs, weight naming and bucketing with real tensors on the CPU; the
+engine itself with vLLM where vLLM and a GPU are present (marked `vllm`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from zbench.config import ConfigError, dump_yaml, from_dict
+from zbench.engine.rollout import size_buckets
+from zbench.engine.vllm_rollout import check_versions, select_backend, strip_left_padding, vllm_weights
+
+
+def test_version_pairs() -> None:
+    check_versions("0.26.0", "2.11.0+cu130")
+    check_versions("0.30.1", "2.13.0")
+    check_versions("0.33.0", "2.14.1")
+    with pytest.raises(ConfigError, match=r"vLLM 0.26.0 is built for torch 2.11, but torch 2.13.0 is installed"):
+        check_versions("0.26.0", "2.13.0")
+    with pytest.raises(ConfigError, match=r"vLLM 0.20.1 is not a tested version; tested pairs: vLLM 0.26 \+ torch 2.11"):
+        check_versions("0.20.1", "2.9.0")
+
+
+def test_backend_selection() -> None:
+    assert select_backend("hf", True, "0.26.0", "2.11.0") == "hf"
+    assert select_backend("auto", False, "0.26.0", "2.11.0") == "hf"  # no CUDA
+    assert select_backend("auto", True, None, "2.11.0") == "hf"  # not installed
+    assert select_backend("auto", True, "0.26.0", "2.13.0") == "hf"  # wrong pair: auto falls back
+    assert select_backend("auto", True, "0.26.0", "2.11.0") == "vllm"
+    assert select_backend("vllm", True, "0.26.0", "2.11.0") == "vllm"
+    with pytest.raises(ConfigError, match="'vllm' needs a CUDA GPU; use 'hf'"):
+        select_backend("vllm", False, "0.26.0", "2.11.0")
+    with pytest.raises(ConfigError, match=r"pip install 'zbench\[vllm\]'"):
+        select_backend("vllm", True, None, "2.11.0")
+    with pytest.raises(ConfigError, match=r"built for torch 2\.11"):
+        select_backend("vllm", True, "0.26.0", "2.14.0")
+
+
+def _model(tied: bool) -> Qwen3ForCausalLM:
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, intermediate_size=64, tie_word_embeddings=tied)
+    return Qwen3ForCausalLM(cfg)
+
+
+def test_weight_names_for_vllm() -> None:
+    untied = _model(tied=False)
+    names = [n for n, _ in vllm_weights(untied.named_parameters(), tied_embeddings=False)]
+    assert "lm_head.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    assert len(names) == len(list(untied.parameters()))
+    # a tied lm_head is the embedding in vLLM: never sent, even if a state dict lists it
+    tied = _model(tied=True)
+    state = list(tied.state_dict().items())
+    assert "lm_head.weight" in dict(state)
+    sent = dict(vllm_weights(iter(state), tied_embeddings=True))
+    assert "lm_head.weight" not in sent and "model.embed_tokens.weight" in sent
+    assert torch.equal(sent["model.embed_tokens.weight"], tied.model.embed_tokens.weight)
+
+
+def test_size_buckets_cover_every_parameter_once() -> None:
+    named = list(_model(tied=False).named_parameters())
+    sizes = {n: p.numel() * p.element_size() for n, p in named}
+    limit = 8 * 1024
+    buckets = list(size_buckets(named, limit))
+    flat = [n for b in buckets for n, _ in b]
+    assert flat == [n for n, _ in named]
+    for b in buckets[:-1]:  # each closed bucket reached the limit, and only with its last tensor
+        total = sum(sizes[n] for n, _ in b)
+        assert total >= limit and total - sizes[b[-1][0]] < limit
+    assert len(list(size_buckets(named, 10**12))) == 1
+    assert all(len(b) == 1 for b in size_buckets(named, 1))
+
+
+def test_strip_left_padding() -> None:
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    assert strip_left_padding(ids, (ids != 0).long()) == [[5, 6], [7, 8, 9, 10]]
+
+
+def test_engine_refuses_vllm_without_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "config.yaml").write_text(dump_yaml(from_dict({"name": "v", "rollout": {"backend": "vllm"}})))
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "rollout.backend: 'vllm' needs a CUDA GPU; use 'hf'" in res.stdout
+
+
+@pytest.mark.vllm
+def test_grpo_with_vllm_rollout(tmp_path: Path) -> None:
+    """Two GRPO steps with the vLLM backend on the GPU; rollout and actor log-probs agree closely."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case = tmp_path / "vllm"
+    case.mkdir()
+    cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2, "rollout": {"backend": "vllm", "n": 4},
+           "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": torch.cuda.device_count()},
+           "zero": {"stage": 2}}
+    (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True,
+                         timeout=1200)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    result = json.loads((case / "result.json").read_text())
+    assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]
+    last = json.loads((case / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["actor/rollout_logprob_diff/mean"] < 0.05

@@ -1,0 +1,169 @@
+"""The `vllm` rollout backend: one in-process vLLM engine per rank, colocated with the actor on its GPU.
+
+Between rollouts the engine sleeps (level 2: weights and KV cache released), so training gets the memory back.
+After every update the trained weights are pushed in by name (`trainer.sync_weights`): vLLM wakes its weight
+memory, `load_weights` copies the tensors in place (Hugging Face names are accepted as they are; q/k/v and
+gate/up are stacked by vLLM's own loader; a tied `lm_head` is the embedding), then the KV cache wakes and the
+prefix cache starts empty. Nothing here imports vLLM until an engine is built, so the selection and version
+rules are testable without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from zbench.config import ConfigError
+
+# vLLM releases pin one PyTorch release exactly; a mismatched pair fails deep inside vLLM's kernels.
+TORCH_FOR_VLLM = {
+    "0.26": "2.11", "0.27": "2.13", "0.28": "2.13", "0.29": "2.13", "0.30": "2.13", "0.31": "2.13", "0.32": "2.13",
+    "0.33": "2.14",
+}
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM version, or None."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(vllm_version: str, torch_version: str) -> None:
+    """Refuse a vLLM / PyTorch pair that vLLM was not built for, naming the pairs that work."""
+    pairs = ", ".join(f"vLLM {v} + torch {t}" for v, t in TORCH_FOR_VLLM.items())
+    want = TORCH_FOR_VLLM.get(_minor(vllm_version))
+    if want is None:
+        raise ConfigError("rollout.backend", f"vLLM {vllm_version} is not a tested version; tested pairs: {pairs}")
+    if _minor(torch_version) != want:
+        raise ConfigError("rollout.backend", f"vLLM {vllm_version} is built for torch {want}, but torch "
+                                             f"{torch_version} is installed; tested pairs: {pairs}")
+
+
+def select_backend(asked: str, on_cuda: bool, vllm_version: str | None, torch_version: str) -> str:
+    """The rollout backend that will run: `auto` takes vLLM where it is installed, supported and on CUDA."""
+    if asked == "hf":
+        return "hf"
+    if asked == "auto":
+        if not (on_cuda and vllm_version):
+            return "hf"
+        try:
+            check_versions(vllm_version, torch_version)
+        except ConfigError:
+            return "hf"
+        return "vllm"
+    if not on_cuda:
+        raise ConfigError("rollout.backend", "'vllm' needs a CUDA GPU; use 'hf' (or 'auto') on this machine")
+    if not vllm_version:
+        raise ConfigError("rollout.backend", "'vllm' asked for but vLLM is not installed: pip install 'zbench[vllm]' "
+                                             "(or use 'hf')")
+    check_versions(vllm_version, torch_version)
+    return "vllm"
+
+
+def vllm_weights(named: Iterator[tuple[str, torch.Tensor]], tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face parameter names as vLLM's loader takes them: a tied `lm_head` is not sent (it *is* the
+    embedding in vLLM, updated through `model.embed_tokens.weight`)."""
+    for name, tensor in named:
+        if tied_embeddings and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Token lists of left-padded prompts."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask, strict=True)]
+
+
+class VLLMRollout:
+    """Sampling with an in-process vLLM engine; same sampling parameters as the `hf` backend."""
+
+    backend = "vllm"
+
+    def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
+                 top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
+                 max_model_len: int, tied_embeddings: bool):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
+        from vllm import LLM
+
+        self.pad_id, self.eos_ids = pad_id, eos_ids
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.tied_embeddings = tied_embeddings
+        self.version = installed_vllm()
+        self.llm = LLM(model=model_path, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True, seed=seed,
+                       max_model_len=max_model_len, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs")  # log-probs of the distribution actually sampled
+        self.asleep = False
+
+    def to(self, device: torch.device | str) -> None:
+        """No-op: vLLM releases its memory by sleeping, not by moving."""
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+        """One response per row (rows already repeat each prompt n times), each request seeded from `seed`."""
+        from vllm import SamplingParams, TokensPrompt
+
+        from zbench.engine.rollout import response_mask_from
+
+        if self.asleep:
+            self.wake()
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in strip_left_padding(input_ids, attention_mask)]
+        params = [SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, top_k=0,
+                                 max_tokens=self.max_new_tokens, seed=seed * 65_537 + i, logprobs=0,
+                                 stop_token_ids=self.eos_ids, detokenize=False) for i in range(len(prompts))]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        responses = torch.full((len(outs), self.max_new_tokens), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros((len(outs), self.max_new_tokens), dtype=torch.float32)
+        for row, out in enumerate(outs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)[: self.max_new_tokens]
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[row, : len(ids)] = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(ids)])
+        mask = response_mask_from(responses, self.eos_ids, self.pad_id)
+        self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
+        self.asleep = True
+        return {"responses": responses, "response_mask": mask, "rollout_log_probs": logprobs * mask}
+
+    def wake(self) -> None:
+        self.llm.wake_up(tags=["weights"])
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Push trained weights into the engine (waking its weight memory first); returns the bytes pushed."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        pushed = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal pushed
+            for name, tensor in vllm_weights(named, self.tied_embeddings):
+                pushed += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self.llm.apply_model(lambda model: model.load_weights(counted()))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        return pushed
+
+
+def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool) -> VLLMRollout:
+    """A VLLMRollout for a case config on one rank."""
+    r = cfg.rollout
+    return VLLMRollout(model_path, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
+                       temperature=r.temperature, top_p=r.top_p, gpu_memory_utilization=r.gpu_memory_utilization,
+                       tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed * 1_000 + rank,
+                       max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, tied_embeddings=tied_embeddings)
