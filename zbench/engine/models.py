@@ -30,7 +30,7 @@ import torch
 from zbench.data import synthetic_problems
 
 # Bump when the build code changes in a way the recipe fields do not capture.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 PAD, EOS, IM_START = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -300,6 +300,7 @@ def _save_shape_preset(name: str, seed: int, out: Path) -> None:
 
     tokenizer = build_tokenizer(TinyRecipe())
     config = SHAPE_PRESETS[name](tokenizer)
+    config.architectures = ["Qwen3ForCausalLM"]  # loaders (vLLM) pick the model class from this field
     assert len(tokenizer) <= config.vocab_size
     config.save_pretrained(out)
     save_file(_random_state_dict(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -99,7 +99,7 @@ class VLLMRollout:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tied_embeddings = tied_embeddings
         self.version = installed_vllm()
-        self.llm = LLM(model=model_path, dtype="bfloat16", tensor_parallel_size=tensor_parallel_size,
+        self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs")  # log-probs of the distribution actually sampled
