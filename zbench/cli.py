@@ -26,7 +26,7 @@ app.add_typer(data_app, name="data")
 bench_app = typer.Typer(no_args_is_help=True, help="Floors to measure the engine against: bare DeepSpeed, bare generate.")
 app.add_typer(bench_app, name="bench")
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # messages stay one line: greppable, copyable
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key for every case: key=value "
                                                                  "(e.g. zero.stage=3, model.path=/models/qwen3).")]

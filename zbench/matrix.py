@@ -196,9 +196,10 @@ def expand(
             raise ConfigError("", f"two cases are named {name!r}", matrix.source)
         seen.add(name)
         data = copy.deepcopy(matrix.base)
-        applied = {**run_level, **overrides, **dict(sets), "name": name}
-        for key, value in applied.items():
+        for key, value in {**run_level, **overrides, "name": name}.items():
             set_dotted(data, key, value, matrix.source)
+        for key, value in sets:
+            set_dotted(data, key, value, "--set")
         cfg = from_dict(data, f"{matrix.source} (case {name})")
         cases.append(Case(name, cfg, {**overrides, **dict(sets)}))
     return cases

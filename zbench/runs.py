@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zbench import store
-from zbench.config import ConfigError, dump_yaml, load_case_config
+from zbench.config import ConfigError, RunConfig, dump_yaml, load_case_config
 from zbench.launch import LaunchOptions, options_for_profile, run_cases
 from zbench.matrix import Case, check_name, expand, load_matrix, shipped_matrices
 from zbench.progress import make_progress
@@ -51,11 +51,10 @@ def prepare_models(specs: set[str], out: TextIO) -> None:
         print(f"[zbench] model {spec!r}: {resolve_model(spec)}", file=out, flush=True)
 
 
-def _launch(root: store.RunRoot, cases: list[tuple[str, str]], options: LaunchOptions, out: TextIO) -> list[dict]:
-    steps = {name: load_case_config(root.case_dir(name) / "config.yaml").steps if (root.case_dir(name) / "config.yaml").exists()
-             else None for name, _ in cases}
-    with make_progress([(name, steps[name]) for name, _ in cases], stream=out) as progress:
-        return run_cases(root, cases, options, progress)
+def _launch(root: store.RunRoot, cases: list[tuple[str, RunConfig]], options: LaunchOptions,
+            out: TextIO) -> list[dict]:
+    with make_progress([(name, cfg.steps) for name, cfg in cases], stream=out) as progress:
+        return run_cases(root, [(name, dump_yaml(cfg)) for name, cfg in cases], options, progress)
 
 
 def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tuple[store.RunRoot, list[dict]]:
@@ -72,7 +71,7 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,
                                   retries=req.retries)
-    return root, _launch(root, [(c.name, dump_yaml(c.config)) for c in cases], options, out)
+    return root, _launch(root, [(c.name, c.config) for c in cases], options, out)
 
 
 def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | None = None,
@@ -87,8 +86,8 @@ def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | 
         cfg_path = root.case_dir(entry["name"]) / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError("", f"{cfg_path} is missing: this case cannot be resumed (rerun the matrix instead)")
-        cases.append((entry["name"], cfg_path.read_text()))
-    prepare_models({load_case_config(root.case_dir(n) / "config.yaml").model.path for n, _ in cases}, out)
+        cases.append((entry["name"], load_case_config(cfg_path)))
+    prepare_models({cfg.model.path for _, cfg in cases}, out)
     options = options_for_profile(profile, case_timeout_s=case_timeout_s, step_timeout_s=step_timeout_s,
                                   retries=retries)
     print(f"[zbench] resuming {root.path}", file=out, flush=True)

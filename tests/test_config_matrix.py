@@ -1,0 +1,140 @@
+"""Config tree and matrix expansion: names, precedence, excludes, and every bad input with its message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zbench.config import (
+    ConfigError,
+    dump_yaml,
+    effective_offload,
+    from_dict,
+    load_case_config,
+    parse_set,
+)
+from zbench.matrix import expand, load_matrix, shipped_matrices
+
+SIX = ["zero1_no_offload", "zero2_no_offload", "zero3_no_offload",
+       "zero1_cpu_offload", "zero2_cpu_offload", "zero3_cpu_offload"]
+
+
+def write(tmp_path: Path, text: str, name: str = "m.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_shipped_matrices_expand() -> None:
+    counts = {name: len(expand(load_matrix(name))) for name in shipped_matrices()}
+    assert counts == {"ddp-vs-zero": 12, "grpo-six-case": 6, "seed-gate": 6, "six-case": 6, "twelve-case": 12,
+                      "zero-nvme": 2}
+    six = expand(load_matrix("six-case"), seed=7777, steps=60)
+    assert [c.name for c in six] == SIX
+    assert [(c.config.zero.stage, c.config.zero.offload) for c in six] == [
+        (1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu")]
+    assert all(c.config.algorithm == "ppo" and c.config.seed == 7777 and c.config.steps == 60 for c in six)
+    grpo = expand(load_matrix("grpo-six-case"))
+    assert [c.name for c in grpo] == SIX and all(c.config.rollout.n == 4 for c in grpo)
+    twelve = [c.name for c in expand(load_matrix("twelve-case"))]
+    assert twelve[:2] == ["ppo_zero1_no_offload", "ppo_zero2_no_offload"] and twelve[-1] == "grpo_zero3_cpu_offload"
+    ddp = expand(load_matrix("ddp-vs-zero"))
+    assert ddp[0].name == "zero0_no_ac" and ddp[1].config.model.gradient_checkpointing
+    # a matrix axis that sets the seed wins over the run's --seed
+    assert [c.config.seed for c in expand(load_matrix("seed-gate"), seed=9)][:3] == [1, 2, 3]
+
+
+def test_overrides_apply_to_every_case_last() -> None:
+    cases = expand(load_matrix("six-case"), sets=[("zero.stage", 3), ("rollout.max_new_tokens", 16)])
+    assert {c.config.zero.stage for c in cases} == {3}  # --set beats the matrix's own axis values
+    assert {c.config.rollout.max_new_tokens for c in cases} == {16}
+    assert cases[0].overrides["rollout.max_new_tokens"] == 16
+    assert parse_set("actor.lr=1e-4") == ("actor.lr", "1e-4")  # YAML 1.1 reads this as a string ...
+    assert expand(load_matrix("six-case"), sets=[parse_set("actor.lr=1e-4")])[0].config.actor.lr == 1e-4  # ... coerced
+
+
+def test_excludes_cases_and_globs(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+description: t
+axes:
+  stage: {zero1: {zero.stage: 1}, zero3: {zero.stage: 3}}
+  offload: {none: {zero.offload: none}, cpu: {zero.offload: cpu}}
+name: "{stage}-{offload}"
+exclude: [{stage: zero1, offload: cpu}, "zero3-n*"]
+cases: [{name: ddp, set: {zero.stage: 0}}]
+""")
+    m = load_matrix(path)
+    assert [c.name for c in expand(m)] == ["zero1-none", "zero3-cpu", "ddp"]
+    assert [c.name for c in expand(m, case_globs=["dd*"])] == ["ddp"]
+    with pytest.raises(ConfigError, match=r"--cases nope matches none of zero1-none, zero3-cpu, ddp"):
+        expand(m, case_globs=["nope"])
+
+
+def test_round_trip_and_effective_offload(tmp_path: Path) -> None:
+    cfg = expand(load_matrix("six-case"), seed=3, steps=5)[5].config
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_case_config(path) == cfg
+    assert effective_offload(1, "cpu").label == "optimizer:cpu"
+    assert effective_offload(2, "nvme").label == "optimizer:cpu"  # DeepSpeed's ZeRO-2 keeps offload in CPU memory
+    assert effective_offload(3, "nvme").label == "optimizer+params:nvme"
+    assert effective_offload(3, "auto").label == "optimizer+params:cpu"
+    assert effective_offload(0, "auto").label == "none"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("base: {zero: {stage: 5}}\naxes: {a: {x: {}}}\n", r"zero.stage: 5 is not one of 0, 1, 2, 3"),
+    ("base: {zero: {stge: 2}}\naxes: {a: {x: {}}}\n", r"zero.stge: unknown key; did you mean 'stage'\?"),
+    ("base: {rollout: {n: two}}\naxes: {a: {x: {}}}\n", r"rollout.n: expected an integer, got 'two'"),
+    ("base: {model: {gradient_checkpointing: 1}}\naxes: {a: {x: {}}}\n",
+     r"model.gradient_checkpointing: expected true or false, got 1"),
+    ("axes: {a: {x: {zero.offlod: cpu}}}\n", r"zero.offlod: unknown key; did you mean 'offload'\?"),
+    ("axis: {a: {x: {}}}\n", r"axis: unknown matrix key; did you mean 'axes'\?"),
+    ("axes: {a: {x: {}}}\nname: '{b}'\n", r"template '\{b\}' uses \['b'\], not axes of this matrix"),
+    ("axes: {a: {'../x': {}}}\n", r"case name .*'\.\./x' is not a safe directory name"),
+    ("axes: {a: {x: {zero.stage: 0, zero.offload: cpu}}}\n", r"stage 0 \(DDP\) has no ZeRO-partitioned state"),
+    ("base: {algorithm: grpo}\naxes: {a: {x: {}}}\n", r"rollout.n: GRPO compares samples within a group"),
+    ("base: {trainer: {world_size: 3}}\naxes: {a: {x: {}}}\n", r"cannot be split into micro-batches of 4 on each of 3"),
+    ("axes: [1, 2\n", r"malformed YAML: line 2, column 1"),
+])
+def test_bad_matrix_messages_name_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as err:
+        expand(load_matrix(path))
+    assert path in str(err.value)
+
+
+def test_unknown_matrix_suggests() -> None:
+    with pytest.raises(ConfigError, match=r"unknown matrix 'six-cases': did you mean 'six-case'\?"):
+        load_matrix("six-cases")
+
+
+def test_bad_case_config_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "zero:\n  stage: 2\n  offload: disk\n", "config.yaml")
+    with pytest.raises(ConfigError, match=r"config.yaml: zero.offload: 'disk' is not one of 'none', 'cpu'"):
+        load_case_config(path)
+    with pytest.raises(ConfigError, match=r"expected a mapping of ZeroConfig fields"):
+        from_dict({"zero": 3})
+
+
+def zbench(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zbench", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path: Path) -> None:
+    res = zbench("run", "six-case", "--steps", "1", "--set", "zero.stag=2", "--dry-run")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--set: zero.stag: unknown key; did you mean 'stage'?" in res.stderr
+    res = zbench("run", "six-case", "--steps", "1", "--tag", "../escape", "--results-dir", str(tmp_path))
+    assert res.returncode == 2 and "'../escape' is not a safe directory name" in res.stderr
+    assert not any(tmp_path.iterdir())  # nothing created
+    res = zbench("run", "sixcase", "--dry-run")
+    assert res.returncode == 2 and "did you mean 'six-case'?" in res.stderr
+    res = zbench("run", "six-case", "--steps", "1", "--dry-run")
+    assert res.returncode == 0 and res.stdout.splitlines()[0].startswith("zero1_no_offload\t")
+    res = zbench("resume", str(tmp_path / "missing"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
