@@ -251,7 +251,7 @@ def test_runner_profiles(tmp_path: Path) -> None:
         load_runner_profile(str(bad))
     bad.write_text("ray_address: 10.0.0.1:6379\nnum_workers: 4\nenv: {NCCL_DEBUG: INFO}\n")
     env = load_runner_profile(str(bad)).case_env()
-    assert env == {"NCCL_DEBUG": "INFO", "ZBENCH_RAY_ADDRESS": "10.0.0.1:6379"}
+    assert env == {"NCCL_DEBUG": "INFO", "ZBENCH_RAY_ADDRESS": "10.0.0.1:6379", "ZBENCH_RAY_NODE_IP": ""}
 
 
 def test_status_json_keys(tmp_path: Path) -> None:

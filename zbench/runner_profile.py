@@ -28,6 +28,7 @@ class RunnerProfile:
     name: str  # the file's stem
     description: str = ""  # one line for `zbench runners` style listings
     ray_address: str = ""  # ZBENCH_RAY_ADDRESS: "" = local Ray per case; auto, host:port, ray://host:port
+    node_ip_address: str = ""  # ZBENCH_RAY_NODE_IP: this node's address in the cluster ("" = Ray's own guess)
     num_workers: int | None = None  # ranks per case (trainer.world_size) unless --set names one; None: the matrix's
     python: str | None = None  # interpreter for the engine; None = the one running zbench
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment variables, verbatim
@@ -52,6 +53,7 @@ class RunnerProfile:
         return {
             **{k: str(v) for k, v in self.env.items()},
             "ZBENCH_RAY_ADDRESS": self.ray_address,
+            "ZBENCH_RAY_NODE_IP": self.node_ip_address,
         }
 
     def command(self) -> tuple[str, ...]:
@@ -102,7 +104,7 @@ def load_runner_profile(name_or_path: str) -> RunnerProfile:
     env = data.get("env") or {}
     if not isinstance(env, dict):
         raise ValueError(f"{path}: env must be a mapping of NAME: value, got {env!r}")
-    for key in ("description", "ray_address", "python"):
+    for key in ("description", "ray_address", "node_ip_address", "python"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise ValueError(f"{path}: {key} must be a string, got {data[key]!r}")
     try:
@@ -110,6 +112,7 @@ def load_runner_profile(name_or_path: str) -> RunnerProfile:
             name=path.stem,
             description=data.get("description") or "",
             ray_address=data.get("ray_address") or "",
+            node_ip_address=data.get("node_ip_address") or "",
             num_workers=data.get("num_workers"),
             python=data.get("python"),
             env={str(k): "" if v is None else str(v) for k, v in env.items()},

@@ -33,7 +33,9 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
     """Start a private Ray on loopback, or connect to the cluster in ZBENCH_RAY_ADDRESS."""
     address = os.environ.get("ZBENCH_RAY_ADDRESS", "").strip()
     if address:
-        ray.init(address=address, log_to_driver=True, ignore_reinit_error=False)
+        node_ip = os.environ.get("ZBENCH_RAY_NODE_IP", "").strip()
+        # on a multi-homed host (or a cluster on loopback) Ray's guess of this node's address can be wrong
+        ray.init(address=address, log_to_driver=True, **({"_node_ip_address": node_ip} if node_ip else {}))
         return
     tmp = ray_tmpdir(case_dir)
     (case_dir / RAY_TMPDIR_FILE).write_text(str(tmp) + "\n")
