@@ -20,8 +20,9 @@ $(BIN)/zbench: pyproject.toml
 install: $(BIN)/zbench
 
 demo: install
-	$(BIN)/zbench run six-case --seed $(SEED) --steps $(STEPS) --tag demo_six-case_$(STEPS)_seed$(SEED)
-	$(BIN)/zbench plot --run-root "$$(ls -d results/demo_six-case_$(STEPS)_seed$(SEED)_* | tail -n 1)"
+	$(BIN)/zbench run six-case --seed $(SEED) --steps $(STEPS)
+	root="$$(ls -d results/six-case_$(STEPS)_seed$(SEED)_* | tail -n 1)"; \
+	  $(BIN)/zbench plot --run-root "$$root" && $(BIN)/zbench report --run-root "$$root"
 
 test: install
 	$(BIN)/ruff check zbench tests

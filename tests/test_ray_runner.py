@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from zbench.engine.workers import free_port
+from zbench.launch import kill_processes, processes_mentioning
 
 RAY = Path(sys.executable).with_name("ray")
 
@@ -40,7 +41,9 @@ def ray_head(tmp_path: Path):
     try:
         yield f"127.0.0.1:{port}", auth
     finally:
-        subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120, env=env)
+        # only this head's processes (`ray stop` would stop every Ray on the machine, other runs' included)
+        kill_processes(None, processes_mentioning(str(temp), f"--gcs-address=127.0.0.1:{port}",
+                                                  f"--gcs_server_port={port}"), grace_s=10.0)
         shutil.rmtree(temp, ignore_errors=True)
 
 
