@@ -148,19 +148,19 @@ class RunProgress:
             self._on_end(v, status)
 
     def _on_start(self, v: CaseView) -> None:
-        pass
+        """A case started (nothing to show by default)."""
 
     def _on_records(self, v: CaseView) -> None:
         v.new_records.clear()
 
     def _on_end(self, v: CaseView, status: Mapping[str, Any]) -> None:
-        pass
+        """A case ended (nothing to show by default)."""
 
     def __enter__(self) -> RunProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        """Nothing to tear down by default."""
 
 
 class PlainProgress(RunProgress):
