@@ -1,6 +1,6 @@
 """Run roots written exactly as the contract describes, with realistic metrics, for the analysis tests.
 
-``make_run_root`` is imported by the other analysis tests and by benchmarks/bench_plot.py; the tests at the
+``make_run_root`` is imported by the other analysis tests and by tests/bench/bench_plot.py; the tests at the
 bottom check the reader on these roots and on broken ones (torn lines, missing columns, empty roots).
 """
 

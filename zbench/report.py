@@ -74,7 +74,7 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
             "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
             f"peak {'GPU' if gpu else 'CPU'} memory (GB)": mem,
             "final score": c.value("score_last"), "best score": c.value("score_max"),
-            "memory saved": (1 - mem / base_mem) * 100 if base_mem else math.nan,
+            "memory saved (%)": (1 - mem / base_mem) * 100 if base_mem else math.nan,
             "speed ×": c.value("throughput_mean") / base.value("throughput_mean"),
             "score Δ": c.value("score_last") - base.value("score_last"),
         })

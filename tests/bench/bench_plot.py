@@ -1,6 +1,6 @@
 """Time `zbench plot` on a generated run root of 12 cases x 1000 steps (target: under 3 s).
 
-    python benchmarks/bench_plot.py
+    python tests/bench/bench_plot.py
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from test_analysis_runroot import FakeCase, make_run_root
 

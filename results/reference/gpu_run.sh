@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run a matrix at the reference GPU config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts, 512 new tokens) and
 # measure the bare-DeepSpeed floor for each ZeRO stage in the same call. Results are packed into $OUT (or ./out).
-#   bash benchmarks/gpu_run.sh MATRIX CASES STEPS [extra zbench run args...]
-# e.g. bash benchmarks/gpu_run.sh six-case zero2_no_offload,zero3_no_offload 4
+#   bash results/reference/gpu_run.sh MATRIX CASES STEPS [extra zbench run args...]
+# e.g. bash results/reference/gpu_run.sh six-case zero2_no_offload,zero3_no_offload 4
 # Needs GSM8K jsonl in $GSM8K_DIR (default .gsm8k/) and zbench importable (pip install -e ., or a kit on PYTHONPATH).
 set -uo pipefail
 matrix=$1; cases=$2; steps=$3; shift 3
