@@ -107,3 +107,35 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
                          timeout=120)
     assert res.returncode == 2
     assert "zero.stage: 5 is not one of 0, 1, 2, 3" in res.stdout
+
+
+def test_zbench_resume_continues_a_case_from_its_checkpoint(tmp_path: Path) -> None:
+    """Interrupted after a checkpoint, `zbench resume` continues the case from it: steps 1..N, unbroken."""
+    import signal
+    import time
+
+    results = tmp_path / "results"
+    steps = 30
+    proc = subprocess.Popen([sys.executable, "-m", "zbench", "run", "grpo-six-case", "--cases", "zero2_no_offload",
+                             "--steps", str(steps), "--set", "trainer.save_freq=4", "--results-dir", str(results)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    state = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list(results.glob("*/zero2_no_offload/ckpt/state.json"))
+        if found:
+            state = found[0]
+            break
+        time.sleep(0.2)
+    assert state is not None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    case = state.parents[1]
+    assert json.loads((case / "status.json").read_text())["status"] == "interrupted"
+    res = subprocess.run([sys.executable, "-m", "zbench", "resume", str(case.parent)], capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert "[ckpt] resumed from step_" in (case / "train.log").read_text()
+    assert [r["step"] for r in records(case)] == list(range(1, steps + 1))
+    assert json.loads((case / "result.json").read_text())["resumed_from_step"] >= 4

@@ -310,3 +310,22 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
     assert_gone([worker])
     assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))
     shutil.rmtree(launch.ray_tmpdir_for(cdir), ignore_errors=True)
+
+
+def test_attempt_after_a_checkpoint_keeps_the_metrics(tmp_path):
+    """A retried or resumed case with a checkpoint continues its curve: metrics.jsonl stays (and is archived);
+    without one, the new attempt starts a fresh file."""
+    from zbench.launch import _prepare_attempt
+
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "metrics.jsonl").write_text('{"step": 1}\n')
+    (case / "result.json").write_text("{}")
+    _prepare_attempt(case, 2)
+    assert not (case / "metrics.jsonl").exists() and (case / "metrics.attempt1.jsonl").exists()
+    assert not (case / "result.json").exists() and (case / "result.attempt1.json").exists()
+    (case / "ckpt").mkdir()
+    (case / "ckpt" / "state.json").write_text('{"step": 2}')
+    (case / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    _prepare_attempt(case, 3)
+    assert (case / "metrics.jsonl").read_text() == (case / "metrics.attempt2.jsonl").read_text()

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -302,12 +303,20 @@ def _classify(
 
 
 def _prepare_attempt(case_dir: Path, attempt: int) -> None:
-    """Set aside files a previous attempt left, so the new attempt's metrics and result stand alone."""
+    """Set aside files a previous attempt left, so the new attempt's metrics and result stand alone.
+
+    A case with a checkpoint continues from it: its metrics.jsonl stays (archived as a copy), and the engine
+    drops the records after the checkpoint's step itself, so the curve runs on unbroken from step 1."""
+    resumes = (case_dir / "ckpt" / "state.json").is_file()
     for name in (store.METRICS, store.RESULT):
         p = case_dir / name
         if p.exists():
             stem, dot, ext = name.partition(".")
-            os.replace(p, case_dir / f"{stem}.attempt{attempt - 1}{dot}{ext}")
+            archived = case_dir / f"{stem}.attempt{attempt - 1}{dot}{ext}"
+            if resumes and name == store.METRICS:
+                shutil.copyfile(p, archived)
+            else:
+                os.replace(p, archived)
     with contextlib.suppress(FileNotFoundError):
         (case_dir / store.HEARTBEAT).unlink()
 
