@@ -99,6 +99,17 @@ def test_grpo_raises_the_score(tmp_path: Path) -> None:
     assert result["device"] == "cpu" and result["versions"]["deepspeed"]
 
 
+def test_ppo_raises_the_score(tmp_path: Path) -> None:
+    """PPO with a critic (one sample per prompt) on the embedded default, the six-case matrix's algorithm."""
+    steps = 60
+    case = make_case(tmp_path, "ppo", steps=steps, seed=7777, algorithm="ppo", zero__stage=2)
+    train(case, timeout=1200)
+    scores = [r["critic/score/mean"] for r in records(case)]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    print(f"PPO score: first ten {first:.3f}, last ten {last:.3f}")
+    assert last > first + 0.15, (first, last, scores)
+
+
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     case = tmp_path / "bad"
     case.mkdir()
