@@ -123,7 +123,7 @@ def make_run_root(parent: Path, cases: tuple[FakeCase, ...] = SIX_CASES, steps: 
             log.append(f"step:{step} - " + " - ".join(f"{k}:{v:.4g}" for k, v in rec.items() if k != "step"))
         (cdir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
         (cdir / "train.log").write_text("".join(line + "\n" for line in log))
-        eff = "none" if case.offload == "none" else ("optimizer+params" if case.stage == 3 else "optimizer")
+        eff = "none" if case.offload == "none" else ("optimizer+params:cpu" if case.stage == 3 else "optimizer:cpu")
         _write_json(cdir / "status.json", {
             "status": case.status, "attempt": 1, "exit_code": 0 if case.status == "completed" else 1,
             "reason": "" if case.status == "completed" else f"{case.status} at step {last + 1}",

@@ -94,7 +94,7 @@ def test_round_trip_and_effective_offload(tmp_path: Path) -> None:
     ("axes: {a: {x: {zero.offlod: cpu}}}\n", r"zero.offlod: unknown key; did you mean 'offload'\?"),
     ("axis: {a: {x: {}}}\n", r"axis: unknown matrix key; did you mean 'axes'\?"),
     ("axes: {a: {x: {}}}\nname: '{b}'\n", r"template '\{b\}' uses \['b'\], not axes of this matrix"),
-    ("axes: {a: {'../x': {}}}\n", r"case name .*'\.\./x' is not a safe directory name"),
+    ("axes: {a: {'../x': {}}}\n", r"invalid case name '\.\./x': use 1-128 characters"),
     ("axes: {a: {x: {zero.stage: 0, zero.offload: cpu}}}\n", r"stage 0 \(DDP\) has no ZeRO-partitioned state"),
     ("base: {algorithm: grpo}\naxes: {a: {x: {}}}\n", r"rollout.n: GRPO compares samples within a group"),
     ("base: {trainer: {world_size: 3}}\naxes: {a: {x: {}}}\n", r"cannot be split into micro-batches of 4 on each of 3"),
@@ -130,7 +130,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path: Path) -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--set: zero.stag: unknown key; did you mean 'stage'?" in res.stderr
     res = zbench("run", "six-case", "--steps", "1", "--tag", "../escape", "--results-dir", str(tmp_path))
-    assert res.returncode == 2 and "'../escape' is not a safe directory name" in res.stderr
+    assert res.returncode == 2 and "invalid tag '../escape'" in res.stderr
     assert not any(tmp_path.iterdir())  # nothing created
     res = zbench("run", "sixcase", "--dry-run")
     assert res.returncode == 2 and "did you mean 'six-case'?" in res.stderr

@@ -295,6 +295,11 @@ class RunConfig:
             raise ConfigError("rollout.n", f"GRPO compares samples within a group: needs n >= 2, got {self.rollout.n}")
         self.batch_plan()  # raises on batch sizes that do not divide over the ranks
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the frozen reference model runs: only a KL term (as a loss or in the reward) uses it."""
+        return self.actor.use_kl_loss or self.algo.use_kl_in_reward
+
     def batch_plan(self) -> BatchPlan:
         """Sequences per step, per rank, per mini- and micro-batch; checks that everything divides."""
         t, a, n, dp = self.trainer, self.actor, self.rollout.n, self.trainer.world_size

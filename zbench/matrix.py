@@ -18,7 +18,6 @@ import copy
 import difflib
 import fnmatch
 import itertools
-import re
 import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ from typing import Any
 from zbench.config import ConfigError, RunConfig, from_dict, read_yaml, set_dotted
 
 MATRIX_KEYS = ("description", "base", "axes", "name", "exclude", "cases")
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +53,14 @@ class Matrix:
     cases: list[tuple[str, dict[str, Any]]]
 
 
-def check_name(value: str, what: str) -> str:
-    """A case name or tag must stay inside the results directory: letters, digits, `._+-`, no leading dot."""
-    if not isinstance(value, str) or not SAFE_NAME.match(value) or value in (".", ".."):
-        raise ConfigError(
-            "",
-            f"{what} {value!r} is not a safe directory name: use letters, digits, '.', '_', '+', '-' "
-            "(no '/', no leading '.' or '-', not empty)",
-        )
-    return value
+def check_name(value: str, what: str, source: str | None = None) -> str:
+    """A case name or tag must be one directory name inside the results directory (the store's rule)."""
+    from zbench.store import validate_name
+
+    try:
+        return validate_name(value, what)
+    except ValueError as err:
+        raise ConfigError("", str(err), source) from None
 
 
 def matrix_dir() -> Path:
@@ -191,7 +188,7 @@ def expand(
     seen: set[str] = set()
     cases = []
     for name, overrides in planned:
-        check_name(name, f"case name in {matrix.source}:")
+        check_name(name, "case name", matrix.source)
         if name in seen:
             raise ConfigError("", f"two cases are named {name!r}", matrix.source)
         seen.add(name)

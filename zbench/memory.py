@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zbench.config import effective_offload
+
 GIB = 2**30
 
 
@@ -121,15 +123,6 @@ class Placement:
     nvme: int = 0
 
 
-def effective_offload(stage: int, offload: str) -> str:
-    """What offload takes effect: "none", "optimizer" or "optimizer+params" (DESIGN.md's table)."""
-    if offload == "none" or (offload == "auto" and stage == 0):
-        return "none"
-    if stage == 0:
-        raise ValueError(f"zero.offload={offload!r} with zero.stage=0: nothing to offload; use stage 1, 2 or 3")
-    return "optimizer+params" if stage == 3 else "optimizer"
-
-
 def model_states(n_params: int, largest_layer: int, stage: int, offload: str, dp: int,
                  precision: str = "bf16") -> Placement:
     """Per-rank bytes of parameters, gradients and optimizer states of one model trained with ZeRO."""
@@ -142,17 +135,14 @@ def model_states(n_params: int, largest_layer: int, stage: int, offload: str, dp
     grads = n_params * g_b / (dp if stage >= 2 else 1)
     optim = n_params * o_b / (dp if stage >= 1 else 1)
     working = largest_layer * (p_b + g_b) if stage == 3 else 0
-    eff = effective_offload(stage, offload)
-    # DeepSpeed's ZeRO-1/2 optimizer keeps "nvme" offload in CPU memory; only stage 3 swaps to NVMe.
-    target = "nvme" if offload == "nvme" and stage == 3 else "cpu"
+    if stage == 0 and offload in ("cpu", "nvme"):
+        raise ValueError(f"zero.offload={offload!r} with zero.stage=0: nothing to offload; use stage 1, 2 or 3")
+    off = effective_offload(stage, offload)  # the engine's own rule (ZeRO-1/2 keep "nvme" in CPU memory)
     where = {"gpu": params + grads + working, "cpu": 0.0, "nvme": 0.0}
-    if eff == "none":
-        where["gpu"] += optim
-    else:
-        where[target] += optim
-        if eff == "optimizer+params":
-            where["gpu"] -= params
-            where[target] += params
+    where["gpu" if off.optimizer == "none" else off.optimizer] += optim
+    if off.params != "none":
+        where["gpu"] -= params
+        where[off.params] += params
     return Placement(gpu=int(where["gpu"]), cpu=int(where["cpu"]), nvme=int(where["nvme"]))
 
 
@@ -226,7 +216,7 @@ def estimate_case(cfg: Mapping[str, Any], model_dims: ModelDims | None = None,
     actor = model_states(n, largest, stage, offload, dp, precision)
     critic = model_states(n, largest, stage, offload, dp, precision) if algorithm == "ppo" else None
     copy = n * BYTES_PER_PARAM[precision][0]
-    eff = effective_offload(stage, offload)
+    eff = effective_offload(stage, offload).label
     return CaseEstimate(
         case=str(_get(cfg, "name", "")), algorithm=algorithm, stage=stage, offload=offload,
         offload_effective=eff, world_size=dp, precision=precision, n_params=n, actor=actor, critic=critic,

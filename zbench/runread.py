@@ -16,12 +16,9 @@ from typing import Any
 import pandas as pd
 import yaml
 
-SUMMARY_COLUMNS: tuple[str, ...] = (
-    "case", "algorithm", "zero_stage", "offload", "offload_effective", "rollout_backend", "world_size", "seed",
-    "status", "steps_completed", "steps_target", "wall_s", "step_time_mean_s", "throughput_mean", "mfu_mean",
-    "max_memory_allocated_gb", "max_memory_reserved_gb", "cpu_memory_used_gb", "score_first", "score_last",
-    "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash",
-)
+from zbench import store
+
+SUMMARY_COLUMNS = store.SUMMARY_COLUMNS
 _TEXT_COLUMNS = {"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
                  "case_dir", "config_hash"}
 

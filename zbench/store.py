@@ -590,7 +590,8 @@ def merge(
 # ---------------------------------------------------------------- environment
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
+    """A package's installed version, or None (without importing it)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -661,7 +662,7 @@ def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
     for GPUs even where nvidia-smi is absent (imports torch).
     """
     versions: dict[str, str | None] = {"python": sys.version.split()[0]}
-    versions.update({p: _version(p) for p in VERSIONED_PACKAGES})
+    versions.update({p: package_version(p) for p in VERSIONED_PACKAGES})
     return {
         "versions": versions,
         "gpus": _gpus(probe_torch),

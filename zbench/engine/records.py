@@ -7,9 +7,10 @@ import json
 import math
 import os
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from zbench import store
 
 # Dense bf16 peak FLOP/s by GPU name fragment (vendor datasheets), for perf/mfu/actor.
 PEAK_BF16_FLOPS = {
@@ -34,22 +35,9 @@ def training_flops(n_params: int, n_layers: int, hidden: int, tokens: int, seq_l
     return float(tokens) * (6 * n_params + 12 * n_layers * hidden * seq_len)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def versions() -> dict[str, str | None]:
     """Installed versions of the packages a result depends on."""
-    out: dict[str, str | None] = {}
-    for pkg in ("torch", "deepspeed", "ray", "transformers", "vllm"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return {pkg: store.package_version(pkg) for pkg in store.VERSIONED_PACKAGES}
 
 
 def _fmt(value: float) -> str:
@@ -82,7 +70,7 @@ class Records:
                 continue
             if rec.get("step", 0) <= step:
                 kept.append(line)
-        write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
+        store.atomic_write_text(self.metrics_path, "".join(f"{line}\n" for line in kept))
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one step's metrics, print its log line, beat."""
@@ -97,4 +85,4 @@ class Records:
 
     def result(self, info: dict[str, Any]) -> None:
         """The final record: its presence with all steps done marks the case completed."""
-        write_atomic(self.case_dir / "result.json", json.dumps(info, indent=2, sort_keys=True) + "\n")
+        store.atomic_write_text(self.case_dir / "result.json", json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -21,8 +21,9 @@ import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
 from zbench.engine import algos
-from zbench.engine.records import Records, peak_flops, training_flops, versions, write_atomic
+from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
+from zbench.store import atomic_write_text
 
 SYNTHETIC_DATA_SEED = 0  # the generated problem set is the same for every case; the case seed orders it
 
@@ -200,7 +201,7 @@ class Trainer:
             diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[r_mask.bool()]
             metrics["actor/rollout_logprob_diff/mean"] = diff.mean().item()
             metrics["actor/rollout_logprob_diff/max"] = diff.max().item()
-        if self.info_needs_ref:
+        if cfg.needs_reference:
             with self._timed("ref"):
                 batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))
         if self.critic:
@@ -290,7 +291,7 @@ class Trainer:
         if self.critic:
             self.critic.call("save", str(self.ckpt_dir / "critic"), tag)
         # written last: a checkpoint is usable only once this names it
-        write_atomic(self.ckpt_dir / "state.json", json.dumps({"step": step, "tag": tag, "seed": self.cfg.seed}) + "\n")
+        atomic_write_text(self.ckpt_dir / "state.json", json.dumps({"step": step, "tag": tag, "seed": self.cfg.seed}) + "\n")
         print(f"[ckpt] saved {tag}", flush=True)
 
     def restore(self) -> int:
@@ -324,7 +325,6 @@ class Trainer:
         print(f"[zbench] case {cfg.name}: {cfg.algorithm} zero{cfg.zero.stage} offload asked={cfg.zero.offload} "
               f"effective={offload.label} world_size={cfg.trainer.world_size} "
               f"device={'cuda' if self.on_cuda else 'cpu'} model={self.model_path}", flush=True)
-        self.info_needs_ref = cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward
         self.policy = self.critic = None
         try:
             self._start_workers()

@@ -200,8 +200,7 @@ class PolicyWorker(_Worker):
         ds_cfg = self._ds_train_config(cfg.actor.micro_batch_size_per_gpu, plan.grad_accum["actor"], cfg.actor.lr,
                                        cfg.actor.weight_decay, cfg.actor.grad_clip)
         self.engine = self._initialize(self._load(AutoModelForCausalLM, ds_cfg), ds_cfg)
-        self.needs_ref = cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward
-        self.ref = self._build_ref() if self.needs_ref else None
+        self.ref = self._build_ref() if cfg.needs_reference else None
         pad_id, eos_ids = special_ids(self.model_path)
         self.rollout = self._build_rollout(pad_id, eos_ids)
         self.sync_weights()
