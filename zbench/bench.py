@@ -2,7 +2,7 @@
 an RL step trains on, and bare Hugging Face `generate`.
 
     zbench bench floor --model qwen3-0.6b --stage 3 --seqs 32 --seq-len 612 --micro 8 --world-size 2
-    zbench bench gen --model qwen3-0.6b --prompts 64 --new-tokens 512
+    zbench bench gen --model qwen3-0.6b --prompts 64 --new-tokens 512 --decode graph
 
 `floor` spawns one process per rank (NCCL on CUDA, gloo on CPU), builds a DeepSpeed engine exactly as the
 engine's actor does (same config builder), and times forward + backward + optimizer steps over random tokens:
@@ -112,33 +112,65 @@ def floor(spec: FloorSpec) -> dict[str, Any]:
         return json.loads(Path(out).read_text())
 
 
-def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, static_cache: bool,
+DECODES = ("generate", "static", "graph")
+
+
+def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decode: str,
                repeats: int = 2) -> dict[str, Any]:
-    """Tokens per second of `generate` (sampling, forced to `new_tokens`), best of `repeats` after a warm-up."""
+    """Generated tokens per second (sampling at temperature 1, forced to `new_tokens`), best of `repeats` after a
+    warm-up call, for transformers `generate` with a dynamic (`generate`) or static (`static`) cache, or zbench's
+    CUDA-graph decode loop (`graph`). For `graph`, also how far its greedy tokens agree with `generate`'s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from zbench.engine.models import resolve_model
+    from zbench.engine.rollout import GraphDecoder
+    from zbench.engine.workers import special_ids
 
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    lm = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(device).eval()
+    path = resolve_model(model)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    torch.manual_seed(0)
     ids = torch.randint(10, 200, (prompts, prompt_len), device=device)
-    gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None,
-                           cache_implementation="static" if static_cache else None)
+    mask = torch.ones_like(ids)
+    graph = GraphDecoder(lm, compile=on_cuda) if decode == "graph" else None
+
+    def hf(sample: bool, tokens: int) -> torch.Tensor:
+        gen = GenerationConfig(do_sample=sample, temperature=1.0 if sample else None, top_p=1.0 if sample else None,
+                               top_k=0 if sample else None, max_new_tokens=tokens, min_new_tokens=tokens,
+                               pad_token_id=0, eos_token_id=None,
+                               cache_implementation="static" if decode == "static" else None)
+        return lm.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, prompt_len:]
+
+    def run(sample: bool, tokens: int) -> torch.Tensor:
+        if graph is None:
+            return hf(sample, tokens)
+        return graph.generate(ids, mask, max_new_tokens=tokens, temperature=1.0 if sample else 0.0, top_p=1.0,
+                              pad_id=0, eos_ids=[], generator=torch.Generator(device).manual_seed(0))
+
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first call compiles / warms up
             if on_cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            run(True, new_tokens)
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+        result: dict[str, Any] = {}
+        if graph is not None:  # greedy agreement with plain generate over the first 32 tokens, both stopping at EOS
+            pad_id, eos_ids = special_ids(path)
+            ours = graph.generate(ids, mask, max_new_tokens=32, temperature=0.0, top_p=1.0, pad_id=pad_id,
+                                  eos_ids=eos_ids, generator=None)
+            greedy = GenerationConfig(do_sample=False, max_new_tokens=32, pad_token_id=pad_id, eos_token_id=eos_ids)
+            theirs = lm.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)[:, prompt_len:]
+            theirs = torch.cat([theirs, theirs.new_full((prompts, 32 - theirs.shape[1]), pad_id)], dim=1)
+            same = (ours == theirs).long().cumprod(dim=1).sum(dim=1).float()
+            result = {"greedy_common_prefix_mean": same.mean().item(), "greedy_identical_rows": int((same == 32).sum())}
     best = min(times[1:])
     return {"model": model, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "static_cache": static_cache, "cold_s": times[0], "best_s": best,
-            "generated_tokens_per_s": prompts * new_tokens / best,
+            "decode": decode, "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
+            **result, "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}

@@ -247,6 +247,7 @@ def bench_floor(
     micro: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 8,
     world_size: Annotated[int, typer.Option(help="Ranks (GPUs).")] = 1,
     steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints JSON."""
@@ -254,7 +255,8 @@ def bench_floor(
 
     try:
         spec = FloorSpec(model=model, stage=stage, offload=offload, seqs=seqs, seq_len=seq_len, micro=micro,
-                         world_size=world_size, steps=steps, gradient_checkpointing=gradient_checkpointing)
+                         world_size=world_size, steps=steps, warmup=warmup,
+                         gradient_checkpointing=gradient_checkpointing)
         print(json.dumps(floor(spec)))
     except (ValueError, ConfigError) as err:
         fail(str(err))
@@ -266,12 +268,16 @@ def bench_gen(
     prompts: Annotated[int, typer.Option(help="Prompts in the batch.")] = 64,
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 100,
     new_tokens: Annotated[int, typer.Option(help="Generated tokens per prompt (forced).")] = 512,
-    static_cache: Annotated[bool, typer.Option(help="Static KV cache with a compiled decode step.")] = False,
+    decode: Annotated[str, typer.Option(
+        help="generate (dynamic KV cache), static (generate, static cache, compiled), graph (zbench's CUDA-graph "
+             "decode loop).")] = "generate",
 ) -> None:
-    """Bare Hugging Face generate speed (sampling); prints JSON."""
-    from zbench.bench import generation
+    """Hugging Face generation speed (sampling, forced length); prints JSON."""
+    from zbench.bench import DECODES, generation
 
-    print(json.dumps(generation(model, prompts, prompt_len, new_tokens, static_cache)))
+    if decode not in DECODES:
+        fail(f"--decode: {decode!r} is not one of {', '.join(DECODES)}")
+    print(json.dumps(generation(model, prompts, prompt_len, new_tokens, decode)))
 
 
 def _register_analysis() -> None:

@@ -86,7 +86,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32  # response length cap; longer responses are clipped (response_length/clip_ratio)
-    static_cache: bool = False  # hf on CUDA: static KV cache with a compiled decode step
+    static_cache: bool = False  # hf on CUDA: generate with a static KV cache and a compiled decode step
+    cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
     tensor_parallel_size: int = 1  # vllm: GPUs per engine

@@ -3,6 +3,10 @@
 The `hf` backend keeps a plain transformers copy of the actor on each rank. After every update the trained
 weights are copied in (`sync_weights`): under ZeRO-0..2 every rank holds full parameters; under ZeRO-3 they are
 gathered bucket by bucket so that no more than `bucket_mb` of extra memory is ever materialised.
+
+It samples in one of three ways: transformers `generate` with a dynamic cache, the same with a static cache, or
+`GraphDecoder`, zbench's own loop over a static cache whose decode step is captured once as a CUDA graph and
+replayed for every token (no per-token host syncs, no Python between kernels).
 """
 
 from __future__ import annotations
@@ -24,13 +28,110 @@ def response_mask_from(responses: torch.Tensor, eos_ids: list[int], pad_id: int)
     return (~after_eos).long()
 
 
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else softmax(logits / T) restricted to the top-p nucleus
+    (as transformers' `TopPLogitsWarper`: the smallest set whose probability reaches `top_p`, at least one token),
+    sampled by the exponential race argmax(p / E), E ~ Exp(1), which draws exactly from p with no host sync."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[..., -1] = False
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+class GraphDecoder:
+    """Sampling loop over a static KV cache whose one-token decode step is compiled with
+    `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length) and
+    replayed for every new token. The prefill runs eagerly; sampling runs on the device with a seeded generator;
+    the host checks for all-finished rows only every `sync_every` tokens. With `compile=False` (CPU) the same loop
+    runs eagerly, which is how it is tested against `generate`.
+
+    Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
+    prompt widths to a few buckets (the trainer pads to a multiple of 64) to bound the number of recordings.
+    """
+
+    def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64):
+        self.model = model
+        self.compile = compile
+        self.sync_every = sync_every
+        self._caches: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._decode = self._forward
+        if compile:
+            self._decode = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def release(self) -> None:
+        """Drop the KV caches (before the replica is parked off the accelerator)."""
+        self._caches.clear()
+
+    def _cache(self, batch: int, length: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+        from transformers import StaticCache
+
+        key = (batch, length)
+        if key not in self._caches:
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+            mask = torch.zeros(batch, length, dtype=torch.long, device=device)
+            if self.compile:
+                torch._dynamo.mark_static_address(mask)
+            self._caches[key] = (cache, mask)
+        cache, mask = self._caches[key]
+        cache.reset()
+        mask.zero_()
+        return cache, mask
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 temperature: float, top_p: float, pad_id: int, eos_ids: list[int],
+                 generator: torch.Generator | None) -> torch.Tensor:
+        """Left-padded prompts (B, P) on the model's device -> (B, max_new_tokens) responses, `pad_id` after EOS."""
+        batch, width = input_ids.shape
+        device = input_ids.device
+        cache, mask = self._cache(batch, width + max_new_tokens, device)
+        mask[:, :width] = attention_mask
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        eos = torch.tensor(eos_ids, device=device)
+        out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        pos = positions[:, -1:] + 1
+        for t in range(max_new_tokens):
+            tok = sample_tokens(logits, temperature, top_p, generator)
+            tok = torch.where(done, pad_id, tok)
+            out[:, t] = tok
+            done |= torch.isin(tok, eos)
+            if t + 1 == max_new_tokens or ((t + 1) % self.sync_every == 0 and bool(done.all())):
+                break
+            mask[:, width + t] = 1
+            if self.compile:  # the previous step's logits are consumed: let the graph replay over them
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self._decode(tok[:, None], pos, mask, cache)
+            pos = pos + 1
+        return out
+
+
 class HFRollout:
-    """Sampling with `transformers` generate: KV cache, left-padded prompts, temperature/top-p, EOS."""
+    """Sampling with transformers models: `generate` (dynamic or static KV cache) or `GraphDecoder` (static
+    cache, decode step as a CUDA graph); left-padded prompts, temperature/top-p, EOS."""
 
     backend = "hf"
 
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                 temperature: float, top_p: float, static_cache: bool, device: torch.device):
+                 temperature: float, top_p: float, static_cache: bool, device: torch.device,
+                 cuda_graph: bool = False):
         self.model = model.eval()
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -38,9 +139,12 @@ class HFRollout:
         self.device = device
         for p in self.model.parameters():
             p.requires_grad_(False)
+        self.graph = GraphDecoder(self.model, compile=device.type == "cuda") if cuda_graph else None
 
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""
+        if self.graph is not None and torch.device(device).type == "cpu":
+            self.graph.release()
         self.model.to(device)
 
     @torch.no_grad()
@@ -48,6 +152,14 @@ class HFRollout:
         """Sample one response per row; returns responses padded to `max_new_tokens` and their mask."""
         from transformers import GenerationConfig
 
+        if self.graph is not None:
+            generator = torch.Generator(self.device).manual_seed(seed)
+            responses = self.graph.generate(
+                input_ids.to(self.device), attention_mask.to(self.device), max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature, top_p=self.top_p, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                generator=generator).cpu()
+            return {"responses": responses, "response_mask": response_mask_from(responses, self.eos_ids,
+                                                                                self.pad_id)}
         torch.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)

@@ -175,7 +175,8 @@ class Trainer:
         truths = [self.prompts.truths[i] for i in idx for _ in range(n)]
         group_ids = torch.arange(len(idx)).repeat_interleave(n)
         # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run
-        p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if cfg.rollout.static_cache else 1)
+        static = cfg.rollout.static_cache or cfg.rollout.cuda_graph
+        p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if static else 1)
 
         with self._timed("gen"):
             gen = gather(self.policy.call_sharded("generate", shard({"input_ids": p_ids, "attention_mask": p_mask}, dp),

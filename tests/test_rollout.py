@@ -1,0 +1,90 @@
+"""The hf rollout's own decode loop (`GraphDecoder`) against transformers `generate`, and its sampler."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from zbench.data import synthetic_problems
+from zbench.engine.models import resolve_model
+from zbench.engine.rollout import GraphDecoder, HFRollout, response_mask_from, sample_tokens
+from zbench.engine.trainer import left_pad
+from zbench.engine.workers import special_ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = resolve_model("tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    pad_id, eos_ids = special_ids(path)
+    rows = synthetic_problems(6, seed=3, split="test")
+    texts = [tok.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False) for r in rows]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    ids[1] = ids[1][3:]  # uneven widths: real left padding
+    ids[4] = ids[4][5:]
+    input_ids, mask = left_pad(ids, pad_id, multiple=1)
+    return model, pad_id, eos_ids, input_ids, mask
+
+
+def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    assert (mask == 0).any()
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=24, pad_token_id=pad_id, eos_token_id=eos_ids)
+    ref = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)[:, input_ids.shape[1]:]
+    ours = GraphDecoder(model, compile=False, sync_every=4).generate(
+        input_ids, mask, max_new_tokens=24, temperature=0.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids,
+        generator=None)
+    ref = torch.cat([ref, ref.new_full((ref.shape[0], 24 - ref.shape[1]), pad_id)], dim=1)
+    # the tiny model answers and stops: EOS is produced and everything after it is padding, as with generate
+    assert response_mask_from(ours, eos_ids, pad_id).sum(1).lt(24).any()
+    assert torch.equal(ours, ref)
+
+
+def test_sampling_repeats_per_seed_and_the_rollout_masks_after_eos(tiny):
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    rollout = HFRollout(model, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=16, temperature=1.0, top_p=0.9,
+                        static_cache=False, device=torch.device("cpu"), cuda_graph=True)
+    a, b, c = (rollout.generate(input_ids, mask, seed) for seed in (5, 5, 6))
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+    assert a["responses"].shape == (input_ids.shape[0], 16)
+    assert torch.equal(a["response_mask"], response_mask_from(a["responses"], eos_ids, pad_id))
+
+
+def test_top_p_keeps_the_same_nucleus_as_transformers():
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0)) * 3
+    for top_p in (0.3, 0.9, 0.999):
+        expected = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        # sample many times: every sampled token lies in the nucleus, and the nucleus is covered
+        g = torch.Generator().manual_seed(1)
+        seen = torch.zeros_like(expected)
+        for _ in range(400):
+            tok = sample_tokens(logits, 1.0, top_p, g)
+            assert expected.gather(1, tok[:, None]).all()
+            seen.scatter_(1, tok[:, None], True)
+        if top_p == 0.3:
+            assert torch.equal(seen, expected)
+
+
+def test_exponential_race_draws_from_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_tokens(logits.expand(2000, -1), 0.7, 1.0, g) for _ in range(5)]).flatten()
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    expected = (logits[0] / 0.7).softmax(-1)
+    assert torch.allclose(freq, expected, atol=0.01)  # 10k draws: standard error under 0.005
+    assert freq[4] == 0
+    assert torch.equal(sample_tokens(logits, 0.0, 1.0, None), torch.tensor([0]))
+
+
+def test_compiled_decode_step_matches_the_eager_loop(tiny):
+    """The decode step through torch.compile (on CUDA it is also captured as a CUDA graph) gives the eager
+    loop's tokens, and a second call of the same shape reuses the compiled step."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    eager = GraphDecoder(model, compile=False).generate(input_ids, mask, **kwargs)
+    compiled = GraphDecoder(model, compile=True)
+    assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
+    assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
