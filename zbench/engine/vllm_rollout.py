@@ -136,6 +136,11 @@ class VLLMRollout:
 
     def wake(self) -> None:
         self.llm.wake_up(tags=["weights"])
+        self._wake_kv_cache()
+
+    def _wake_kv_cache(self) -> None:
+        # hand training's cached blocks back to the driver first, or both would be held at once (the peak)
+        torch.cuda.empty_cache()
         self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
 
@@ -154,8 +159,7 @@ class VLLMRollout:
 
         self.llm.apply_model(lambda model: model.load_weights(counted()))
         if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
+            self._wake_kv_cache()
         self.llm.reset_prefix_cache()
         return pushed
 
