@@ -266,11 +266,13 @@ class Trainer:
         mems = self.policy.call("memory")
         if self.critic:
             for rank, m in enumerate(self.critic.call("memory")):
-                for k, v in m.items():
-                    mems[rank][k] = mems[rank].get(k, 0.0) + v
+                for k, v in m.items():  # per-process figures add up; the device-wide one is the same GPU
+                    prev = mems[rank].get(k, 0.0)
+                    mems[rank][k] = max(prev, v) if k == "device_used_gb" else prev + v
         if self.on_cuda:
             out["perf/max_memory_allocated_gb"] = max(m["allocated_gb"] for m in mems)
             out["perf/max_memory_reserved_gb"] = max(m["reserved_gb"] for m in mems)
+            out["perf/device_memory_used_gb"] = max(m["device_used_gb"] for m in mems)
         rss = sum(m["rss_gb"] for m in mems) + psutil.Process().memory_info().rss / 2**30
         out["perf/cpu_memory_used_gb"] = rss
         peak = peak_flops(self.info.get("gpu_name"))

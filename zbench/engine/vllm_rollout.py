@@ -104,6 +104,7 @@ class VLLMRollout:
                        max_model_len=max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs")  # log-probs of the distribution actually sampled
         self.asleep = False
+        self.awake_used_gb = 0.0
 
     def to(self, device: torch.device | str) -> None:
         """No-op: vLLM releases its memory by sleeping, not by moving."""
@@ -130,6 +131,8 @@ class VLLMRollout:
             responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[row, : len(ids)] = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(ids)])
         mask = response_mask_from(responses, self.eos_ids, self.pad_id)
+        free, total = torch.cuda.mem_get_info()
+        self.awake_used_gb = (total - free) / 2**30  # the GPU's use with the engine awake, before it sleeps
         self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
         self.asleep = True
         return {"responses": responses, "response_mask": mask, "rollout_log_probs": logprobs * mask}

@@ -72,6 +72,17 @@ class _Worker:
         if not self.on_cuda:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
         torch.manual_seed(self.cfg.seed)
+        self.device_peak_gb = 0.0
+
+    def sample_device_memory(self, extra_gb: float = 0.0) -> None:
+        """Note the memory in use on this GPU by every process (what nvidia-smi shows), for `memory()`.
+
+        torch's peak counters miss what other processes hold and, with vLLM's sleep mode, still count the
+        engine's released memory; the device-wide figure, sampled where each phase's memory is still held (end
+        of an update, before vLLM sleeps), is the footprint that decides whether a case fits."""
+        if self.on_cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.device_peak_gb = max(self.device_peak_gb, (total - free) / 2**30, extra_gb)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the group's rendezvous."""
@@ -147,6 +158,7 @@ class _Worker:
                     stats[f"{self.role}/grad_norm"].append(float(norm))
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0]
+        self.sample_device_memory()
         return out
 
     def optimizer_name(self) -> str:
@@ -162,6 +174,8 @@ class _Worker:
             out["allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             out["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.reset_peak_memory_stats()
+            self.sample_device_memory()
+            out["device_used_gb"], self.device_peak_gb = self.device_peak_gb, 0.0
         return out
 
     def save(self, ckpt_dir: str, tag: str) -> None:
@@ -258,6 +272,7 @@ class PolicyWorker(_Worker):
             self.rollout.to(self.device)
         seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank
         out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
+        self.sample_device_memory(getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
             self.rollout.to("cpu")
             torch.cuda.empty_cache()
