@@ -113,7 +113,7 @@ def test_summary_rows(tmp_path: Path) -> None:
         "case\talgorithm\tzero_stage\toffload\toffload_effective\trollout_backend\tworld_size\tseed\tstatus\t"
         "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
         "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
-        "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash"
+        "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb"
     )
     ppo, grpo = store.read_summary(path)
     assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
@@ -221,3 +221,36 @@ def test_deepspeed_op_compatibility(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("deepspeed")
     ops = store.deepspeed_op_compatibility()
     assert "cpu_adam" in ops and "fused_adam" in ops and all(isinstance(v, bool) for v in ops.values())
+
+
+def test_a_stated_commit_wins_over_a_stale_checkout(monkeypatch):
+    """A tree copied to another machine may carry an old .git; ZBENCH_GIT_COMMIT says what actually ran."""
+    from zbench.store import _git_info
+
+    assert _git_info().get("source") is None  # this checkout's own git
+    monkeypatch.setenv("ZBENCH_GIT_COMMIT", "0123abcd")
+    assert _git_info() == {"commit": "0123abcd", "dirty": False, "source": "ZBENCH_GIT_COMMIT"}
+    monkeypatch.setenv("ZBENCH_GIT_DIRTY", "1")
+    assert _git_info()["dirty"] is True
+
+
+def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> None:
+    """summary.tsv files written before `device_memory_used_gb` existed read back with it empty (store and
+    analysis readers alike); any other header is refused."""
+    from zbench.runread import read_summary as read_frame
+
+    root = make_root(tmp_path, names=("zero3",))
+    write_case(root.path / "zero3", "grpo", gpu=True)
+    path = root.write_summary()
+    lines = path.read_text().splitlines()
+    older = [line.rsplit("\t", 1)[0] for line in lines]  # drop the last (later) column
+    old_path = tmp_path / "old_summary.tsv"
+    old_path.write_text("\n".join(older) + "\n")
+    (row,) = store.read_summary(old_path)
+    assert row["case"] == "zero3" and row["device_memory_used_gb"] == ""
+    frame = read_frame(old_path)
+    assert list(frame.columns) == list(store.SUMMARY_COLUMNS) and frame["device_memory_used_gb"].isna().all()
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("\n".join(line.split("\t", 1)[1] for line in lines) + "\n")
+    with pytest.raises(store.StoreError, match="header is not the zbench summary header"):
+        store.read_summary(bad)

@@ -16,13 +16,14 @@ METRIC_ALIASES: dict[str, str] = {
     "perf/throughput": "throughput_mean",
     "perf/max_memory_reserved_gb": "max_memory_reserved_gb",
     "perf/max_memory_allocated_gb": "max_memory_allocated_gb",
+    "perf/device_memory_used_gb": "device_memory_used_gb",
     "perf/cpu_memory_used_gb": "cpu_memory_used_gb",
     "perf/mfu/actor": "mfu_mean",
     "timing_s/step": "step_time_mean_s",
     "critic/score/mean": "score_last",
 }
 FIGURES: tuple[str, ...] = ("step_time_mean_s", "throughput_mean", "mfu_mean", "max_memory_allocated_gb",
-                            "max_memory_reserved_gb", "cpu_memory_used_gb", "score_last", "score_max",
+                            "max_memory_reserved_gb", "device_memory_used_gb", "cpu_memory_used_gb", "score_last", "score_max",
                             "loss_last", "wall_s")
 _THRESHOLD = re.compile(r"^([+-])(\d+(?:\.\d*)?|\.\d+)(%?)$")
 

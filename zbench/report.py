@@ -108,6 +108,7 @@ def memory_table(run: RunRoot) -> pd.DataFrame:
         rows.append({"case": c.name, "stage": est.stage, "offload": est.offload_effective,
                      "predicted GPU (GB)": est.gpu_bytes / GIB, "predicted CPU (GB)": est.cpu_bytes / GIB,
                      "measured GPU reserved (GB)": c.value("max_memory_reserved_gb"),
+                     "measured GPU in use, device-wide (GB)": c.value("device_memory_used_gb"),
                      "measured CPU used (GB)": c.value("cpu_memory_used_gb")})
     return pd.DataFrame(rows)
 

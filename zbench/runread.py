@@ -110,6 +110,9 @@ def read_summary(path: Path, warnings: list[str] | None = None) -> pd.DataFrame:
         df = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False)
     except pd.errors.EmptyDataError as e:
         raise RunRootError(f"{path} is empty") from e
+    for col in store.LATER_SUMMARY_COLUMNS:
+        if col not in df.columns:
+            df[col] = ""
     missing = [c for c in SUMMARY_COLUMNS if c not in df.columns]
     if missing:
         raise RunRootError(f"{path}: missing summary column(s) {', '.join(missing)}; "

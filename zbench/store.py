@@ -50,8 +50,10 @@ SUMMARY_COLUMNS = (
     "case", "algorithm", "zero_stage", "offload", "offload_effective", "rollout_backend", "world_size", "seed",
     "status", "steps_completed", "steps_target", "wall_s", "step_time_mean_s", "throughput_mean", "mfu_mean",
     "max_memory_allocated_gb", "max_memory_reserved_gb", "cpu_memory_used_gb", "score_first", "score_last",
-    "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash",
+    "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash", "device_memory_used_gb",
 )  # fmt: skip
+# Columns added after the first release: a summary written before them reads back with them empty.
+LATER_SUMMARY_COLUMNS = ("device_memory_used_gb",)
 
 VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
 
@@ -272,6 +274,7 @@ def case_summary_row(
         "mfu_mean": _steady_mean(records, "perf/mfu/actor"),
         "max_memory_allocated_gb": peak("perf/max_memory_allocated_gb"),
         "max_memory_reserved_gb": peak("perf/max_memory_reserved_gb"),
+        "device_memory_used_gb": peak("perf/device_memory_used_gb"),
         "cpu_memory_used_gb": peak("perf/cpu_memory_used_gb"),
         "score_first": scores[0] if scores else None,
         "score_last": _last(scores),
@@ -297,11 +300,14 @@ def write_summary(path: str | os.PathLike[str], rows: Sequence[Mapping[str, str]
 def read_summary(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """Read a summary TSV written by ``write_summary``; error if its header is not SUMMARY_COLUMNS."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
-    if not lines or tuple(lines[0].split("\t")) != SUMMARY_COLUMNS:
+    older = tuple(c for c in SUMMARY_COLUMNS if c not in LATER_SUMMARY_COLUMNS)
+    header = tuple(lines[0].split("\t")) if lines else ()
+    if header not in (SUMMARY_COLUMNS, older):
         raise StoreError(
             f"{path}: header is not the zbench summary header ({', '.join(SUMMARY_COLUMNS[:4])}, ...)"
         )
-    return [dict(zip(SUMMARY_COLUMNS, line.split("\t"), strict=False)) for line in lines[1:] if line]
+    blank = dict.fromkeys(SUMMARY_COLUMNS, "")
+    return [{**blank, **dict(zip(header, line.split("\t"), strict=False))} for line in lines[1:] if line]
 
 
 # ---------------------------------------------------------------- the run root
@@ -599,7 +605,11 @@ def package_version(package: str) -> str | None:
 
 
 def _git_info() -> dict[str, Any]:
-    """Commit and dirty flag of the zbench source checkout if zbench runs from one, else of the cwd."""
+    """Commit and dirty flag: as stated by ``ZBENCH_GIT_COMMIT`` (a copy shipped to another machine, whose .git
+    may be missing or stale, says where it came from), else of the zbench source checkout, else of the cwd."""
+    if os.environ.get("ZBENCH_GIT_COMMIT"):
+        return {"commit": os.environ["ZBENCH_GIT_COMMIT"], "dirty": os.environ.get("ZBENCH_GIT_DIRTY") == "1",
+                "source": "ZBENCH_GIT_COMMIT"}
     source = Path(zbench.__file__).resolve().parent.parent
     for where in (source, Path.cwd()):
         try:
@@ -615,10 +625,6 @@ def _git_info() -> dict[str, Any]:
             return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
         except (OSError, subprocess.TimeoutExpired):
             continue
-    # a copy without .git (a shipped tree, a remote machine) can say where it came from
-    if os.environ.get("ZBENCH_GIT_COMMIT"):
-        return {"commit": os.environ["ZBENCH_GIT_COMMIT"], "dirty": os.environ.get("ZBENCH_GIT_DIRTY") == "1",
-                "source": "ZBENCH_GIT_COMMIT"}
     return {"commit": None, "dirty": None}
 
 
