@@ -4,6 +4,8 @@
 #   bash results/reference/gpu.sh gen [DECODE...]           # generation bench, one JSON line per decode mode
 #   bash results/reference/gpu.sh floor STAGE OFFLOAD SEQS SEQ_LEN   # bare-DeepSpeed floor on all GPUs
 #   bash results/reference/gpu.sh run MATRIX CASES STEPS [zbench run args...]
+#   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
+# `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
 # actor lr 1e-6, critic lr 1e-5) and stops itself after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the
 # run root is closed properly (unfinished cases recorded as interrupted) and packed even when time runs out.
@@ -11,14 +13,15 @@
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-step=$1; shift
+ngpu() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
+step=${1:-}; shift || true
 
 case $step in
 prep)
   python3 -m zbench env --json > "$out/env.json" 2>&1
   python3 -m zbench data gsm8k --src "${GSM8K_DIR:-.gsm8k}" --out /tmp/zbench-gsm8k > /dev/null || exit 1
   python3 -m zbench model qwen3-0.6b
+  if [ -f .dsops/dsops.tgz ]; then mkdir -p ~/.cache && tar -xzf .dsops/dsops.tgz -C ~/.cache; fi
   # compile DeepSpeed's fused (GPU) and CPU Adam now, in the background, instead of inside the first case
   nohup python3 -c 'from deepspeed.ops.op_builder import CPUAdamBuilder as C, FusedAdamBuilder as F; F().load(); C().load()' \
     > /tmp/zbench-ops.log 2>&1 &
@@ -32,14 +35,14 @@ gen)
   ;;
 floor)
   python3 -m zbench bench floor --model qwen3-0.6b --stage "$1" --offload "$2" --seqs "$3" --seq-len "$4" --micro 8 \
-    --world-size "$ngpu" --warmup 1 --steps 2 | tail -n 1 | tee -a "$out/floors.jsonl"
+    --world-size "$(ngpu)" --warmup 1 --steps 2 | tail -n 1 | tee -a "$out/floors.jsonl"
   ;;
 run)
   matrix=$1; cases=$2; steps=$3; shift 3
   tag=gpu-$matrix${RUN_TAG:+-$RUN_TAG}
   timeout -s INT -k 30 "${RUN_BUDGET_S:-540}" python3 -m zbench run "$matrix" --cases "$cases" --steps "$steps" \
     --seed 7777 --results-dir /tmp/zbench-results --tag "$tag" --retries 0 --step-timeout 400 \
-    --set model.path=qwen3-0.6b --set trainer.world_size="$ngpu" \
+    --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \
     --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512 \
     --set actor.micro_batch_size_per_gpu=8 --set critic.micro_batch_size_per_gpu=8 --set actor.lr=1e-6 \
@@ -48,7 +51,10 @@ run)
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"
   ;;
+pack-ops)
+  tar -czf "$out/dsops.tgz" -C ~/.cache torch_extensions && ls -la "$out/dsops.tgz"
+  ;;
 *)
-  echo "unknown step $step: prep | gen | floor | run" >&2; exit 2
+  echo "unknown step $step: prep | gen | floor | run | pack-ops" >&2; exit 2
   ;;
 esac
