@@ -88,3 +88,17 @@ def test_compiled_decode_step_matches_the_eager_loop(tiny):
     compiled = GraphDecoder(model, compile=True)
     assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
     assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
+
+
+def test_one_kv_cache_is_held_at_a_time(tiny):
+    """Prompt-width buckets change from step to step; the decoder keeps only the current bucket's cache."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    decoder = GraphDecoder(model, compile=False)
+    wide_ids = torch.cat([input_ids.new_full((input_ids.shape[0], 5), pad_id), input_ids], dim=1)
+    wide_mask = torch.cat([mask.new_zeros((mask.shape[0], 5)), mask], dim=1)
+    kwargs = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    narrow = decoder.generate(input_ids, mask, **kwargs)
+    wide = decoder.generate(wide_ids, wide_mask, **kwargs)
+    assert list(decoder._caches) == [(input_ids.shape[0], wide_ids.shape[1] + 6)]
+    assert torch.equal(narrow, wide)  # extra left padding changes nothing

@@ -227,6 +227,8 @@ def test_a_stated_commit_wins_over_a_stale_checkout(monkeypatch):
     """A tree copied to another machine may carry an old .git; ZBENCH_GIT_COMMIT says what actually ran."""
     from zbench.store import _git_info
 
+    monkeypatch.delenv("ZBENCH_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("ZBENCH_GIT_DIRTY", raising=False)
     assert _git_info().get("source") is None  # this checkout's own git
     monkeypatch.setenv("ZBENCH_GIT_COMMIT", "0123abcd")
     assert _git_info() == {"commit": "0123abcd", "dirty": False, "source": "ZBENCH_GIT_COMMIT"}
@@ -254,3 +256,20 @@ def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> Non
     bad.write_text("\n".join(line.split("\t", 1)[1] for line in lines) + "\n")
     with pytest.raises(store.StoreError, match="header is not the zbench summary header"):
         store.read_summary(bad)
+
+
+def test_config_hash_ignores_formatting_and_keys_added_later() -> None:
+    """A case config written before a key existed (so at its default) hashes like today's; a real change does
+    not; text the schema no longer accepts is hashed as written."""
+    import yaml
+
+    from zbench.config import dump_yaml, from_dict
+
+    full = dump_yaml(from_dict({"name": "c", "zero": {"stage": 3}}))
+    older = yaml.safe_load(full)
+    del older["rollout"]["cuda_graph"]
+    assert store.config_hash(yaml.safe_dump(older, sort_keys=False, indent=4)) == store.config_hash(full)
+    changed = yaml.safe_load(full)
+    changed["zero"]["stage"] = 2
+    assert store.config_hash(yaml.safe_dump(changed)) != store.config_hash(full)
+    assert store.config_hash("zero: {stage: 9}") != store.config_hash("zero: {stage: 8}")

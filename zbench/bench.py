@@ -159,7 +159,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None}
         if graph is not None:  # greedy agreement with plain generate over the first 32 tokens, both stopping at EOS
             pad_id, eos_ids = special_ids(path)
             ours = graph.generate(ids, mask, max_new_tokens=32, temperature=0.0, top_p=1.0, pad_id=pad_id,
@@ -168,9 +168,9 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
             theirs = lm.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)[:, prompt_len:]
             theirs = torch.cat([theirs, theirs.new_full((prompts, 32 - theirs.shape[1]), pad_id)], dim=1)
             same = (ours == theirs).long().cumprod(dim=1).sum(dim=1).float()
-            result = {"greedy_common_prefix_mean": same.mean().item(), "greedy_identical_rows": int((same == 32).sum())}
+            result |= {"greedy_common_prefix_mean": same.mean().item(), "greedy_identical_rows": int((same == 32).sum())}
     best = min(times[1:])
     return {"model": model, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "decode": decode, "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
-            **result, "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
+            **result,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}

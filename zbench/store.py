@@ -173,8 +173,18 @@ def read_metrics(path: str | os.PathLike[str]) -> MetricsFile:
 
 
 def config_hash(text: str) -> str:
-    """sha256 of a case's config.yaml text, first 12 hex characters."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    """sha256 of a case's config, first 12 hex characters.
+
+    The config is read through the current schema first, so formatting, key order and keys added to zbench later
+    (present at their defaults) do not change the hash: a rerun with a newer zbench still merges with the first
+    run when it ran the same case. A config the schema no longer accepts is hashed as written."""
+    from zbench.config import ConfigError, dump_yaml, from_dict
+
+    try:
+        canonical = dump_yaml(from_dict(yaml.safe_load(text) or {}))
+    except (ConfigError, yaml.YAMLError, TypeError, ValueError, AttributeError):
+        canonical = text
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
 
 
 # ---------------------------------------------------------------- summary rows

@@ -82,6 +82,7 @@ class GraphDecoder:
 
         key = (batch, length)
         if key not in self._caches:
+            self._caches.clear()  # hold one cache at a time: a new prompt-width bucket replaces the last one
             cache = StaticCache(config=self.model.config, max_cache_len=length)
             mask = torch.zeros(batch, length, dtype=torch.long, device=device)
             if self.compile:
@@ -131,7 +132,7 @@ class HFRollout:
 
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, parked: bool = False):
         self.model = model.eval()
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -139,7 +140,10 @@ class HFRollout:
         self.device = device
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.graph = GraphDecoder(self.model, compile=device.type == "cuda") if cuda_graph else None
+        # a replica parked on the CPU between rollouts comes back at new addresses every step, which would make
+        # the CUDA graph re-record each time: it runs the same loop eagerly instead
+        compile_step = device.type == "cuda" and not parked
+        self.graph = GraphDecoder(self.model, compile=compile_step) if cuda_graph else None
 
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""

@@ -264,7 +264,7 @@ class PolicyWorker(_Worker):
         replica.to("cpu" if self.park_replica else self.device)
         return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
-                         device=self.device, cuda_graph=r.cuda_graph)
+                         device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica)
 
     def generate(self, batch: Batch, step: int) -> Batch:
         """Sample responses for this rank's prompts (already repeated n times), seeded by (seed, step, rank)."""
