@@ -121,3 +121,30 @@ def test_report_without_completed_case(tmp_path):
     root = make_run_root(tmp_path, (FakeCase("zero0", 0, status="failed", stop_step=1),), steps=2)
     r = invoke("report", "--run-root", root)
     assert r.exit_code == 2 and "no completed case (zero0=failed)" in r.output
+
+
+def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
+    root = make_run_root(tmp_path, steps=6, device="cuda")
+    floor = {"model": "qwen3-0.6b", "stage": 2, "offload": "none", "seqs": 128, "seq_len": 690, "micro": 8,
+             "world_size": 2, "tokens_per_s_per_gpu": 12345.0, "step_s_median": 3.3}
+    floors = tmp_path / "floors.jsonl"
+    floors.write_text(json.dumps(floor) + "\nnot json\n")
+    r = invoke("report", "--run-root", root, "--floors", floors)
+    assert r.exit_code == 0, r.output
+    assert "floors.jsonl:2: not a `zbench bench floor` record; skipped" in r.output
+    md = (root / "report.md").read_text()
+    section = md.split("## Training phases")[1].split("## Memory")[0]
+    lines = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    rows = {cells[0]: dict(zip(lines[0], cells, strict=True)) for cells in lines[1:]}
+    # the actor update's rate, recomputed from the case's own metrics (steps 2.., 2 ranks, 1 epoch)
+    m = pd.read_json(root / "zero2" / "metrics.jsonl", lines=True).set_index("step").loc[2:]
+    actor = (m["perf/total_num_tokens"] / (m["timing_s/update_actor"] * 2)).mean()
+    zero2 = rows["zero2"]
+    assert zero2["update_actor (tok/s/GPU)"] == f"{actor:,.0f}"
+    assert zero2["bare DeepSpeed (tok/s/GPU)"] == "12,345"
+    assert zero2["floor shape (seqs × tokens per GPU)"] == "128 × 690"
+    assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
+    assert set(zero2) >= {"old_log_prob (tok/s/GPU)", "values (tok/s/GPU)", "update_critic (tok/s/GPU)"}
+    assert rows["zero3"]["bare DeepSpeed (tok/s/GPU)"] == "–"  # no floor measured for that stage
+    missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
+    assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output

@@ -37,12 +37,19 @@ def plot(
     typer.echo(f"wrote {result.png}\nwrote {result.tsv}")
 
 
-def report(run_root: Annotated[Path, typer.Option("--run-root", help="Run root to report on.")]) -> None:
+def report(
+    run_root: Annotated[Path, typer.Option("--run-root", help="Run root to report on.")],
+    floors: Annotated[Path | None, typer.Option(
+        help="`zbench bench floor` JSON lines to set the training phases against (default <run-root>/floors.jsonl)."
+    )] = None,
+) -> None:
     """Write report.md and a self-contained report.html into the run root."""
     from zbench.report import write_report
 
+    if floors is not None and not floors.is_file():
+        raise _fail(f"--floors: {floors} does not exist; give a file of `zbench bench floor` output lines")
     try:
-        result = write_report(run_root)
+        result = write_report(run_root, floors=floors)
     except (RunRootError, ValueError) as e:
         raise _fail(str(e)) from None
     for w in result.warnings:

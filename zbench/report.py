@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ def environment_lines(manifest: dict) -> list[str]:
 
 
 def _fmt(x: float, digits: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:,.0f}" if abs(x) >= 10**digits else f"{x:.{digits}g}"
 
 
 def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
@@ -93,6 +96,56 @@ def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
         if cols:
             out[c.name] = m[cols].mean()
     return pd.DataFrame(out).T.fillna(0.0)
+
+
+TRAINING_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
+
+
+def read_floors(path: Path, warnings: list[str]) -> list[dict]:
+    """Bare-DeepSpeed floors (`zbench bench floor` JSON lines) saved beside a run root, if any."""
+    floors = []
+    if path.is_file():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                floor = json.loads(line)
+                floors.append({k: floor[k] for k in ("stage", "offload", "seqs", "seq_len", "tokens_per_s_per_gpu")})
+            except (json.JSONDecodeError, KeyError, TypeError):
+                if line.strip():
+                    warnings.append(f"{path}:{n}: not a `zbench bench floor` record; skipped")
+    return floors
+
+
+def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFrame:
+    """Tokens per second per GPU of each training phase (step tokens, times PPO epochs for the updates, over
+    phase seconds and ranks; mean over steps from mean_from_step), beside the bare-DeepSpeed floor measured for
+    the case's ZeRO stage and offload (`floors.jsonl` in the run root) and the actor update's distance to it."""
+    start = int(spec.get("mean_from_step", 2))
+    rows = []
+    for c in run.cases:
+        cfg = read_case_config(c.dir)
+        world = int((cfg.get("trainer") or {}).get("world_size") or 1)
+        epochs = int((cfg.get("actor") or {}).get("ppo_epochs") or 1)
+        m = read_metrics(c.dir / "metrics.jsonl")
+        m = m[m.index >= start] if (m.index >= start).any() else m
+        if "perf/total_num_tokens" not in m.columns:
+            continue
+        row: dict[str, object] = {"case": c.name}
+        for phase in TRAINING_PHASES:
+            seconds = m.get(f"timing_s/{phase}")
+            if seconds is not None and (seconds > 0).any():
+                tokens = m["perf/total_num_tokens"] * (epochs if phase.startswith("update") else 1)
+                row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
+        zero = cfg.get("zero") or {}
+        match = [f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")]
+        if match:
+            floor = match[-1]
+            row["bare DeepSpeed (tok/s/GPU)"] = floor["tokens_per_s_per_gpu"]
+            row["floor shape (seqs × tokens per GPU)"] = f"{floor['seqs']} × {floor['seq_len']}"
+            actor = row.get("update_actor (tok/s/GPU)")
+            if isinstance(actor, float) and actor > 0:
+                row["actor update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / actor
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def memory_table(run: RunRoot) -> pd.DataFrame:
@@ -154,8 +207,9 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px;color
         ".env{color:#555;font-size:13px}")
 
 
-def write_report(root: Path, spec: str | Path = "report") -> Report:
-    """Write report.md and report.html (with curves and phase figures) into the run root."""
+def write_report(root: Path, spec: str | Path = "report", floors: Path | None = None) -> Report:
+    """Write report.md and report.html (with curves and phase figures) into the run root; training phases are
+    set against the floors in `floors` (default: the run root's floors.jsonl, if any)."""
     run = load_run_root(root)
     rspec = load_spec(spec)
     table, base = case_table(run, rspec.get("baseline"))
@@ -167,10 +221,14 @@ def write_report(root: Path, spec: str | Path = "report") -> Report:
     phase_png = phase_figure(phases) if not phases.empty else b""
     mem = memory_table(run)
     env = environment_lines(run.manifest)
+    floor_warnings: list[str] = []
+    floors_path = floors or run.path / "floors.jsonl"
+    speeds = phase_throughput(run, rspec, read_floors(floors_path, floor_warnings))
+    speed_title = "Training phases: tokens per second per GPU, beside bare DeepSpeed"
 
     md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",
           f"## Cases (baseline: {base})", "", _md_table(table), "## Curves", "", "![curves](curves.png)", "",
-          "## Phase times", "", "![phases](phase_times.png)", "",
+          "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds),
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
     (run.path / "phase_times.png").write_bytes(phase_png)
     (run.path / "curves.png").write_bytes(curves_png)
@@ -185,10 +243,11 @@ def write_report(root: Path, spec: str | Path = "report") -> Report:
             + "".join(f"<div class='env'>{html.escape(line)}</div>" for line in env)
             + f"<h2>Cases (baseline: {html.escape(base)})</h2>{_html_table(table)}"
             + f"<h2>Curves</h2>{img(curves_png, 'curves')}<h2>Phase times</h2>{img(phase_png, 'phase times')}"
+            + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}"
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
             + "</body></html>")
     _atomic_write(html_path, page)
-    return Report(md_path, html_path, run.warnings + warnings)
+    return Report(md_path, html_path, run.warnings + warnings + floor_warnings)
 
 
 def _atomic_write(path: Path, text: str) -> None:
