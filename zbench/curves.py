@@ -165,7 +165,9 @@ def render_curves(series: list[Series], spec: dict[str, Any], title: str) -> tup
                 handles.append(h)
                 labels.append(lab)
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=9,
+        width_chars = fig.get_figwidth() * 16  # about 16 legend characters per inch at font size 9
+        per_row = max(1, int(width_chars // (max(map(len, labels)) + 6)))  # long overlay labels: fewer columns
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4, per_row), fontsize=9,
                    frameon=False)
     fig.suptitle(title, fontsize=12)
     return fig, metrics_table(series, panels)
