@@ -47,7 +47,7 @@ def only_root(results: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A six-case run stopped with SIGINT once two cases have completed."""
+    """A six-case run stopped with SIGINT once two cases have completed and the third is running."""
     results = tmp_path_factory.mktemp("results")
     proc = subprocess.Popen([*ZBENCH, "run", "six-case", "--seed", "7777", "--steps", str(STEPS),
                              "--results-dir", str(results), "--retries", "0"],
@@ -59,11 +59,12 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
         roots = [p for p in results.iterdir() if p.is_dir()]
         if roots:
             root = roots[0]
-            done = [c for c in SIX if (root / c / "status.json").exists()
-                    and json.loads((root / c / "status.json").read_text())["status"] == "completed"]
-            if len(done) >= 2:
+            statuses = [json.loads((root / c / "status.json").read_text())["status"]
+                        if (root / c / "status.json").exists() else "pending" for c in SIX]
+            # the third case must have started, or the interrupt would find it still pending
+            if statuses[:3] == ["completed", "completed", "running"]:
                 break
-    assert proc.poll() is None, f"the run ended before two cases completed:\n{proc.stdout.read()}"
+    assert proc.poll() is None, f"the run ended before its third case started:\n{proc.stdout.read()}"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
@@ -81,9 +82,13 @@ def test_interrupt_leaves_a_consistent_run_root(interrupted: Path) -> None:
     manifest = json.loads((interrupted / "manifest.json").read_text())
     assert [c["name"] for c in manifest["cases"]] == SIX
     assert manifest["versions"]["deepspeed"] and manifest["command"][:2] == ["zbench", "run"]
-    # no Ray process of this run survives the interrupt
-    leftovers = subprocess.run(["pgrep", "-f", "zbench-ray-"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in leftovers if p != str(os.getpid())], leftovers
+    # no Ray process of this run survives the interrupt (other runs on the machine may have their own)
+    from zbench.launch import ray_markers
+
+    markers = sorted({m for c in SIX for m in ray_markers(interrupted / c)})
+    leftovers = [pid for m in markers
+                 for pid in subprocess.run(["pgrep", "-f", m], capture_output=True, text=True).stdout.split()]
+    assert not [p for p in leftovers if p != str(os.getpid())], (markers, leftovers)
 
 
 @pytest.fixture(scope="module")
