@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Steps of a reference GPU session, each packing what it produces into $OUT (or ./out):
+# Steps of a reference GPU run, each packing what it produces into $OUT (or ./out):
 #   bash results/reference/gpu.sh prep                      # env.json, GSM8K parquet, the qwen3-0.6b preset, DeepSpeed ops
 #   bash results/reference/gpu.sh gen [DECODE...]           # generation bench, one JSON line per decode mode
 #   bash results/reference/gpu.sh floor STAGE OFFLOAD SEQS SEQ_LEN   # bare-DeepSpeed floor on all GPUs
