@@ -57,6 +57,15 @@ def report(
     typer.echo(f"wrote {result.markdown}\nwrote {result.html}")
 
 
+def _verdict(problems: list, label: str, ok: str) -> None:
+    """A gate's ending: each problem on stderr and exit 1, or the all-clear line."""
+    for p in problems:
+        typer.echo(f"{label} {p}", err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo(ok)
+
+
 def compare(
     base: Annotated[Path, typer.Argument(help="Baseline run root or summary TSV.")],
     new: Annotated[Path, typer.Argument(help="New run root or summary TSV.")],
@@ -76,11 +85,7 @@ def compare(
     if not result.deltas.empty:
         typer.echo(result.deltas.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     typer.echo("thresholds: " + ", ".join(map(str, thresholds)))
-    for f in result.failures:
-        typer.echo(f"FAIL {f}", err=True)
-    if result.failures:
-        raise typer.Exit(1)
-    typer.echo("OK: no threshold crossed")
+    _verdict(result.failures, "FAIL", "OK: no threshold crossed")
 
 
 def parity(
@@ -101,11 +106,7 @@ def parity(
     groups = "; ".join(f"{algo}: {', '.join(names)}" for algo, names in result.groups.items())
     typer.echo(f"step {result.step}, rtol {result.rtol:g}, atol {result.atol:g}; {groups}; "
                f"{result.compared} values compared")
-    for m in result.mismatches:
-        typer.echo(f"DIVERGES {m}", err=True)
-    if result.mismatches:
-        raise typer.Exit(1)
-    typer.echo("OK: all cases agree")
+    _verdict(result.mismatches, "DIVERGES", "OK: all cases agree")
 
 
 def estimate(

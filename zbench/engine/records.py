@@ -20,6 +20,14 @@ PEAK_BF16_FLOPS = {
 }
 
 
+def gpu_memory_in_use_gb(device: Any = None) -> float:
+    """Memory in use on a GPU by every process, as nvidia-smi shows it (cudaMemGetInfo), in GiB."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
+
+
 def peak_flops(gpu_name: str | None) -> float | None:
     """Dense bf16 peak of a GPU by name, or None when unknown (MFU is then not reported)."""
     if not gpu_name:

@@ -62,7 +62,7 @@ class GraphDecoder:
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
-        self._caches: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._cache_slot: tuple[tuple[int, int], Any, torch.Tensor] | None = None  # (batch, length), cache, mask
         self._decode = self._forward
         if compile:
             self._decode = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
@@ -74,21 +74,21 @@ class GraphDecoder:
         return out.logits[:, -1, :]
 
     def release(self) -> None:
-        """Drop the KV caches (before the replica is parked off the accelerator)."""
-        self._caches.clear()
+        """Drop the KV cache (before the replica is parked off the accelerator)."""
+        self._cache_slot = None
 
     def _cache(self, batch: int, length: int, device: torch.device) -> tuple[Any, torch.Tensor]:
         from transformers import StaticCache
 
         key = (batch, length)
-        if key not in self._caches:
-            self._caches.clear()  # hold one cache at a time: a new prompt-width bucket replaces the last one
-            cache = StaticCache(config=self.model.config, max_cache_len=length)
+        if self._cache_slot is None or self._cache_slot[0] != key:
+            # one cache at a time: a new prompt-width bucket replaces the last one (freed before allocating)
+            self._cache_slot = None
             mask = torch.zeros(batch, length, dtype=torch.long, device=device)
             if self.compile:
                 torch._dynamo.mark_static_address(mask)
-            self._caches[key] = (cache, mask)
-        cache, mask = self._caches[key]
+            self._cache_slot = (key, StaticCache(config=self.model.config, max_cache_len=length), mask)
+        _, cache, mask = self._cache_slot
         cache.reset()
         mask.zero_()
         return cache, mask

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zbench.config import ConfigError
+from zbench.engine.records import gpu_memory_in_use_gb
 
 # vLLM releases pin one PyTorch release exactly; a mismatched pair fails deep inside vLLM's kernels.
 TORCH_FOR_VLLM = {
@@ -131,8 +132,7 @@ class VLLMRollout:
             responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[row, : len(ids)] = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(ids)])
         mask = response_mask_from(responses, self.eos_ids, self.pad_id)
-        free, total = torch.cuda.mem_get_info()
-        self.awake_used_gb = (total - free) / 2**30  # the GPU's use with the engine awake, before it sleeps
+        self.awake_used_gb = gpu_memory_in_use_gb()  # the GPU's use with the engine awake, before it sleeps
         self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
         self.asleep = True
         return {"responses": responses, "response_mask": mask, "rollout_log_probs": logprobs * mask}

@@ -22,6 +22,7 @@ import torch
 
 from zbench.config import RunConfig, effective_offload, from_dict
 from zbench.engine import algos
+from zbench.engine.records import gpu_memory_in_use_gb
 
 Batch = dict[str, torch.Tensor]
 
@@ -81,8 +82,7 @@ class _Worker:
         engine's released memory; the device-wide figure, sampled where each phase's memory is still held (end
         of an update, before vLLM sleeps), is the footprint that decides whether a case fits."""
         if self.on_cuda:
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.device_peak_gb = max(self.device_peak_gb, (total - free) / 2**30, extra_gb)
+            self.device_peak_gb = max(self.device_peak_gb, gpu_memory_in_use_gb(self.device), extra_gb)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the group's rendezvous."""
