@@ -1,13 +1,22 @@
 """The hf rollout's own decode loop (`GraphDecoder`) against transformers `generate`, and its sampler."""
 
+import copy
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StaticCache
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from zbench.data import synthetic_problems
 from zbench.engine.models import resolve_model
-from zbench.engine.rollout import GraphDecoder, HFRollout, response_mask_from, sample_tokens
+from zbench.engine.rollout import (
+    GQA_DECODE,
+    GraphDecoder,
+    HFRollout,
+    response_mask_from,
+    sample_tokens,
+    use_gqa_decode_attention,
+)
 from zbench.engine.trainer import left_pad
 from zbench.engine.workers import special_ids
 
@@ -31,7 +40,9 @@ def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
     model, pad_id, eos_ids, input_ids, mask = tiny
     assert (mask == 0).any()
     cfg = GenerationConfig(do_sample=False, max_new_tokens=24, pad_token_id=pad_id, eos_token_id=eos_ids)
-    ref = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)[:, input_ids.shape[1]:]
+    sdpa = copy.deepcopy(model)
+    sdpa.set_attn_implementation("sdpa")
+    ref = sdpa.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)[:, input_ids.shape[1]:]
     ours = GraphDecoder(model, compile=False, sync_every=4).generate(
         input_ids, mask, max_new_tokens=24, temperature=0.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids,
         generator=None)
@@ -102,3 +113,37 @@ def test_one_kv_cache_is_held_at_a_time(tiny):
     wide = decoder.generate(wide_ids, wide_mask, **kwargs)
     assert decoder._cache_slot is not None and decoder._cache_slot[0] == (input_ids.shape[0], wide_ids.shape[1] + 6)
     assert torch.equal(narrow, wide)  # extra left padding changes nothing
+
+
+def _decode_logits(model, input_ids, mask, steps: int) -> torch.Tensor:
+    """Prefill, then `steps` one-token steps (each feeding back the argmax) over a static cache."""
+    batch, width = input_ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=width + steps + 3)  # unfilled tail stays masked
+    full = torch.zeros(batch, width + steps + 3, dtype=torch.long)
+    full[:, :width] = mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=full, position_ids=pos, past_key_values=cache).logits[:, -1]
+    out = [logits]
+    pos = pos[:, -1:]
+    for t in range(steps):
+        full[:, width + t] = 1
+        pos = pos + 1
+        logits = model(input_ids=logits.argmax(-1, keepdim=True), attention_mask=full, position_ids=pos,
+                       past_key_values=cache).logits[:, -1]
+        out.append(logits)
+    return torch.stack(out, 1)
+
+
+@torch.no_grad()
+def test_gqa_decode_attention_equals_sdpa(tiny):
+    """Folding the query heads onto their key/value head gives SDPA's logits, left padding and unfilled static
+    cache positions included; prompts (several query tokens) go through SDPA itself."""
+    model, _, _, input_ids, mask = tiny
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    sdpa, folded = copy.deepcopy(model), copy.deepcopy(model)
+    sdpa.set_attn_implementation("sdpa")
+    use_gqa_decode_attention(folded)
+    assert folded.config._attn_implementation == GQA_DECODE
+    expected, got = _decode_logits(sdpa, input_ids, mask, 6), _decode_logits(folded, input_ids, mask, 6)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[:, 1:], got[:, :1].expand_as(got[:, 1:]))  # the steps differ: a real decode

@@ -6,7 +6,8 @@ gathered bucket by bucket so that no more than `bucket_mb` of extra memory is ev
 
 It samples in one of three ways: transformers `generate` with a dynamic cache, the same with a static cache, or
 `GraphDecoder`, zbench's own loop over a static cache whose decode step is captured once as a CUDA graph and
-replayed for every token (no per-token host syncs, no Python between kernels).
+replayed for every token (no per-token host syncs, no Python between kernels). Its one-token steps attend the
+grouped key/value heads directly (`gqa_decode_attention`) rather than through copies of the whole cache.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+GQA_DECODE = "zbench_gqa_decode"
 
 
 def response_mask_from(responses: torch.Tensor, eos_ids: list[int], pad_id: int) -> torch.Tensor:
@@ -47,6 +51,34 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return (probs / race).argmax(dim=-1)
 
 
+def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except for a one-token query under grouped-query attention: its query heads
+    are folded onto their key/value head, (B, H, 1, D) -> (B, H_kv, H / H_kv, D), so each cached key and value is
+    read once. transformers itself does this only outside torch.compile; inside (the recorded decode step) it
+    expands the whole cache `H / H_kv` times every token, which at 64 rows x 1k positions is most of the step."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    batch, heads, _, dim = query.shape
+    folded = query.reshape(batch, heads // groups, groups, dim)
+    # the mask is (B, 1, 1, L) or None: it broadcasts over the folded heads
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"))
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def use_gqa_decode_attention(model: nn.Module) -> None:
+    """Register `gqa_decode_attention` with transformers (masks as for SDPA) and switch `model` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_DECODE, gqa_decode_attention)
+    AttentionMaskInterface.register(GQA_DECODE, sdpa_mask)
+    model.set_attn_implementation(GQA_DECODE)
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length) and
@@ -59,6 +91,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64):
+        use_gqa_decode_attention(model)
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
