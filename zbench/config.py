@@ -114,6 +114,7 @@ class ActorConfig:
     grad_clip: float = 1.0  # DeepSpeed gradient_clipping; 0 disables
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (times rollout.n sequences)
     micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
+    forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (log-probs); 0 = as above
     ppo_epochs: int = 1  # passes over each step's batch
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -129,6 +130,7 @@ class ActorConfig:
         _positive("grad_clip", self.grad_clip, allow_zero=True)
         _positive("ppo_mini_batch_size", self.ppo_mini_batch_size)
         _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        _positive("forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu, allow_zero=True)
         _positive("ppo_epochs", self.ppo_epochs)
         _positive("clip_ratio_low", self.clip_ratio_low)
         _positive("clip_ratio_high", self.clip_ratio_high)
@@ -149,6 +151,7 @@ class CriticConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size_per_gpu: int = 4
+    forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (values); 0 = as above
     cliprange_value: float = 0.5
 
     def __post_init__(self) -> None:
@@ -156,6 +159,7 @@ class CriticConfig:
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("grad_clip", self.grad_clip, allow_zero=True)
         _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        _positive("forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu, allow_zero=True)
         _positive("cliprange_value", self.cliprange_value)
 
 

@@ -40,6 +40,21 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
+def trim_left_padding(mb: Batch) -> Batch:
+    """Drop the leading columns that are padding in every row. Prompts are left-padded to the step's longest;
+    a micro-batch's own longest is usually shorter, and those columns would be computed for nothing. Positions
+    and masks of the remaining tokens are unchanged, so the outputs are too."""
+    first = int(mb["attention_mask"].any(0).int().argmax())  # every row has a prompt token: a column has one
+    if first == 0:
+        return mb
+    return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
+
+
+def forward_batches(batch: Batch, size: int) -> list[Batch]:
+    """`micro_batches` of `size` rows, each trimmed of its all-padding prompt columns."""
+    return [trim_left_padding(mb) for mb in micro_batches(batch, size)]
+
+
 def special_ids(model_path: str) -> tuple[int, list[int]]:
     """Padding id and every id that ends a response (the tokenizer's EOS and the generation config's)."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -150,7 +165,7 @@ class _Worker:
         batch = self._to_device(batch)
         for _ in range(self.cfg.actor.ppo_epochs):
             for mini_batch in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
-                for mb in micro_batches(mini_batch, micro):
+                for mb in forward_batches(mini_batch, micro):
                     self.engine.backward(loss_fn(mb, stats))
                     self.engine.step()
                 norm = self.engine.get_global_grad_norm()
@@ -295,7 +310,8 @@ class PolicyWorker(_Worker):
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
         outs = []
-        for mb in micro_batches(self._to_device(batch), self.cfg.actor.micro_batch_size_per_gpu):
+        a = self.cfg.actor
+        for mb in forward_batches(self._to_device(batch), a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu):
             outs.append(self._logprobs(model, mb)[0].cpu())
         return {key: torch.cat(outs)}
 
@@ -375,7 +391,9 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
         self.engine.eval()
-        outs = [self._values(mb).cpu() for mb in micro_batches(self._to_device(batch), self.cfg.critic.micro_batch_size_per_gpu)]
+        c = self.cfg.critic
+        size = c.forward_micro_batch_size_per_gpu or c.micro_batch_size_per_gpu
+        outs = [self._values(mb).cpu() for mb in forward_batches(self._to_device(batch), size)]
         return {"values": torch.cat(outs)}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
