@@ -1,12 +1,14 @@
 """Floors to measure the engine against, on the same machine and model: bare DeepSpeed training on the tokens
 an RL step trains on, and bare Hugging Face `generate`.
 
-    zbench bench floor --model qwen3-0.6b --stage 3 --seqs 32 --seq-len 612 --micro 8 --world-size 2
+    zbench bench floor --model qwen3-0.6b --stage 1 --stage 2 --stage 3 --offload none --offload cpu \
+        --seqs 32 --seq-len 612 --micro 8 --world-size 2
     zbench bench gen --model qwen3-0.6b --prompts 64 --new-tokens 512 --decode graph
 
 `floor` spawns one process per rank (NCCL on CUDA, gloo on CPU), builds a DeepSpeed engine exactly as the
 engine's actor does (same config builder), and times forward + backward + optimizer steps over random tokens:
-the update phase of an RL step cannot be much faster than this.
+the update phase of an RL step cannot be much faster than this. Several stages and offloads are measured one
+after another in the same processes, so the start-up is paid once.
 """
 
 from __future__ import annotations
@@ -39,12 +41,33 @@ class FloorSpec:
     gradient_checkpointing: bool = False
 
 
-def _floor_rank(rank: int, spec: FloorSpec, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
+def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
+    world_size = specs[0].world_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch.distributed as dist
+
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
+    for spec in specs:  # one after another in the same processes: start-up is paid once
+        result = _measure(rank, spec, on_cuda)
+        if rank == 0:
+            with open(out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
+    """Build a DeepSpeed engine as the actor does, time `spec.steps` optimizer steps after `spec.warmup`, then
+    free everything it held."""
+    import gc
+
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -52,9 +75,6 @@ def _floor_rank(rank: int, spec: FloorSpec, port: int, out: str) -> None:
     from zbench.engine.ds_config import training_config
     from zbench.engine.models import resolve_model
 
-    if on_cuda:
-        torch.cuda.set_device(rank)
-    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
     zero = ZeroConfig(stage=spec.stage, offload=spec.offload)
     offload = effective_offload(spec.stage, spec.offload)
     accum = spec.seqs // spec.micro
@@ -62,6 +82,8 @@ def _floor_rank(rank: int, spec: FloorSpec, port: int, out: str) -> None:
                           lr=1e-5, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda, on_cuda=on_cuda,
                           nvme_path=str(Path(tempfile.gettempdir()) / "zbench-floor-nvme"))
     dtype = torch.bfloat16 if on_cuda else torch.float32
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
     model = AutoModelForCausalLM.from_pretrained(resolve_model(spec.model), dtype=dtype)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -84,32 +106,45 @@ def _floor_rank(rank: int, spec: FloorSpec, port: int, out: str) -> None:
             torch.cuda.synchronize()
         if i >= spec.warmup:
             times.append(time.perf_counter() - start)
-    if rank == 0:
-        step = statistics.median(times)
-        result = {**asdict(spec), "step_s_median": step, "step_s_all": times,
-                  "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
-                  "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
-                  "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
-                  "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
-        Path(out).write_text(json.dumps(result))
-    import torch.distributed as dist
+    step = statistics.median(times)
+    result = {**asdict(spec), "step_s_median": step, "step_s_all": times,
+              "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
+              "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
+              "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
+              "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
+    engine.destroy()
+    del engine, model, loss
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return result
 
-    dist.barrier()
-    dist.destroy_process_group()
+
+def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
+    """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, all in
+    one set of rank processes (they must share the model and world size)."""
+    import torch.multiprocessing as mp
+
+    from zbench.config import ZeroConfig
+    from zbench.engine.workers import free_port
+
+    if not specs:
+        raise ValueError("no floor to measure")
+    for spec in specs:
+        ZeroConfig(stage=spec.stage, offload=spec.offload)  # a bad stage or offload is refused before any start
+        if spec.seqs % spec.micro:
+            raise ValueError(f"seqs={spec.seqs} must be a multiple of micro={spec.micro}")
+        if (spec.model, spec.world_size) != (specs[0].model, specs[0].world_size):
+            raise ValueError("floors measured together must share the model and the world size")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "floors.jsonl")
+        mp.spawn(_floor_rank, args=(specs, free_port(), out), nprocs=specs[0].world_size, join=True)
+        return [json.loads(line) for line in Path(out).read_text().splitlines()]
 
 
 def floor(spec: FloorSpec) -> dict[str, Any]:
-    """Median optimizer-step time of bare DeepSpeed for `spec`, and tokens per second per GPU."""
-    import torch.multiprocessing as mp
-
-    from zbench.engine.workers import free_port
-
-    if spec.seqs % spec.micro:
-        raise ValueError(f"seqs={spec.seqs} must be a multiple of micro={spec.micro}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "floor.json")
-        mp.spawn(_floor_rank, args=(spec, free_port(), out), nprocs=spec.world_size, join=True)
-        return json.loads(Path(out).read_text())
+    """`floors` of one spec."""
+    return floors([spec])[0]
 
 
 DECODES = ("generate", "static", "graph")

@@ -240,8 +240,9 @@ def model(
 @bench_app.command("floor")
 def bench_floor(
     model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
-    stage: Annotated[int, typer.Option(help="ZeRO stage.")] = 2,
-    offload: Annotated[str, typer.Option(help="none, cpu, nvme or auto.")] = "none",
+    stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several.")] = None,
+    offload: Annotated[list[str] | None, typer.Option(
+        help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload).")] = None,
     seqs: Annotated[int, typer.Option(help="Sequences per rank per optimizer step.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 612,
     micro: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 8,
@@ -250,14 +251,17 @@ def bench_floor(
     warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
 ) -> None:
-    """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints JSON."""
-    from zbench.bench import FloorSpec, floor
+    """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per stage and
+    offload, measured one after another in the same processes."""
+    from zbench.bench import FloorSpec, floors
 
     try:
-        spec = FloorSpec(model=model, stage=stage, offload=offload, seqs=seqs, seq_len=seq_len, micro=micro,
-                         world_size=world_size, steps=steps, warmup=warmup,
-                         gradient_checkpointing=gradient_checkpointing)
-        print(json.dumps(floor(spec)))
+        specs = [FloorSpec(model=model, stage=st, offload=off, seqs=seqs, seq_len=seq_len, micro=micro,
+                           world_size=world_size, steps=steps, warmup=warmup,
+                           gradient_checkpointing=gradient_checkpointing)
+                 for off in offload or ["none"] for st in stage or [2]]
+        for result in floors(specs):
+            print(json.dumps(result))
     except (ValueError, ConfigError) as err:
         fail(str(err))
 

@@ -2,13 +2,14 @@
 # Steps of a reference GPU run, each packing what it produces into $OUT (or ./out):
 #   bash results/reference/gpu.sh prep                      # env.json, GSM8K parquet, the qwen3-0.6b preset, DeepSpeed ops
 #   bash results/reference/gpu.sh gen [DECODE...]           # generation bench, one JSON line per decode mode
-#   bash results/reference/gpu.sh floor STAGE OFFLOAD SEQS SEQ_LEN   # bare-DeepSpeed floor on all GPUs
+#   bash results/reference/gpu.sh floor "STAGES" "OFFLOADS" SEQS SEQ_LEN  # bare-DeepSpeed floors on all GPUs
 #   bash results/reference/gpu.sh run MATRIX CASES STEPS [zbench run args...]
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
-# actor lr 1e-6, critic lr 1e-5) and stops itself after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the
-# run root is closed properly (unfinished cases recorded as interrupted) and packed even when time runs out.
+# micro-batch 8 for training and 16 for log-probs and values, actor lr 1e-6, critic lr 1e-5) and stops itself
+# after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
+# recorded as interrupted) and packed even when time runs out.
 # Needs GSM8K jsonl in $GSM8K_DIR (default .gsm8k/) and zbench importable (pip install -e ., or a kit on PYTHONPATH).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -33,9 +34,10 @@ gen)
       | tail -n 1 | tee -a "$out/bench_generate.jsonl"
   done
   ;;
-floor)
-  python3 -m zbench bench floor --model qwen3-0.6b --stage "$1" --offload "$2" --seqs "$3" --seq-len "$4" --micro 8 \
-    --world-size "$(ngpu)" --warmup 1 --steps 2 | tail -n 1 | tee -a "$out/floors.jsonl"
+floor)  # every stage in "$1" with every offload in "$2", one after another in the same processes
+  args=(); for s in $1; do args+=(--stage "$s"); done; for o in $2; do args+=(--offload "$o"); done
+  python3 -m zbench bench floor --model qwen3-0.6b "${args[@]}" --seqs "$3" --seq-len "$4" --micro 8 \
+    --world-size "$(ngpu)" --warmup 1 --steps 2 | grep '^{' | tee -a "$out/floors.jsonl"
   ;;
 run)
   matrix=$1; cases=$2; steps=$3; shift 3
@@ -45,8 +47,9 @@ run)
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \
     --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512 \
-    --set actor.micro_batch_size_per_gpu=8 --set critic.micro_batch_size_per_gpu=8 --set actor.lr=1e-6 \
-    --set critic.lr=1e-5 "$@" 2>&1 | tail -n 30
+    --set actor.micro_batch_size_per_gpu=8 --set critic.micro_batch_size_per_gpu=8 \
+    --set actor.forward_micro_batch_size_per_gpu=16 --set critic.forward_micro_batch_size_per_gpu=16 \
+    --set actor.lr=1e-6 --set critic.lr=1e-5 "$@" 2>&1 | tail -n 30
   root=$(ls -d /tmp/zbench-results/"$tag"_* | tail -n 1)
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"

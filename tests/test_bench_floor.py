@@ -1,0 +1,29 @@
+"""`zbench bench floor`: bare DeepSpeed on the tiny model, several stages in one set of rank processes."""
+
+import json
+import subprocess
+import sys
+
+
+def _floor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--model", "tiny", "--seqs", "4",
+                           "--micro", "2", "--seq-len", "24", "--steps", "2", "--warmup", "1", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_floors_of_several_stages_in_one_start():
+    r = _floor("--stage", "1", "--stage", "3", "--offload", "none", "--offload", "cpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["stage"], x["offload"]) for x in rows] == [(1, "none"), (3, "none"), (1, "cpu"), (3, "cpu")]
+    for x in rows:
+        assert len(x["step_s_all"]) == 2 and x["step_s_median"] > 0
+        assert x["tokens_per_s_per_gpu"] == x["seqs"] * x["seq_len"] / x["step_s_median"]
+        assert x["device"] == "cpu" and x["world_size"] == 1
+
+
+def test_a_bad_combination_is_refused_before_anything_starts():
+    r = _floor("--stage", "0", "--offload", "cpu")
+    assert r.returncode != 0
+    assert "offload" in r.stderr and "stage 0" in r.stderr
+    assert "Traceback" not in r.stderr
