@@ -144,7 +144,27 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     assert zero2["bare DeepSpeed (tok/s/GPU)"] == "12,345"
     assert zero2["floor shape (seqs × tokens per GPU)"] == "128 × 690"
     assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
+    critic = (m["perf/total_num_tokens"] / (m["timing_s/update_critic"] * 2)).mean()
+    assert zero2["critic update: floor ÷ measured"] == f"{12345.0 / critic:.3g}"
     assert set(zero2) >= {"old_log_prob (tok/s/GPU)", "values (tok/s/GPU)", "update_critic (tok/s/GPU)"}
     assert rows["zero3"]["bare DeepSpeed (tok/s/GPU)"] == "–"  # no floor measured for that stage
     missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
+
+
+def test_report_of_a_merged_summary_takes_reruns_from_their_own_run_root(tmp_path):
+    """`--summary summary_complete.tsv`: a case rerun in another run root is reported from that root's files."""
+    first = make_run_root(tmp_path, (FakeCase("zero1", 1), FakeCase("zero3", 3, status="failed", stop_step=2)),
+                          steps=6, device="cuda")
+    rerun = make_run_root(tmp_path, (FakeCase("zero3", 3),), steps=6, device="cuda", name="rerun")
+    rows = read_rows(first / "summary.tsv")
+    rows = [r for r in rows if r["case"] != "zero3"] + [{**read_rows(rerun / "summary.tsv")[0],
+                                                         "case_dir": "../rerun/zero3"}]
+    columns = tuple((first / "summary.tsv").read_text().splitlines()[0].split("\t"))
+    write_summary(first / "summary_complete.tsv", rows, columns)
+    r = invoke("report", "--run-root", first, "--summary", first / "summary_complete.tsv")
+    assert r.exit_code == 0, r.output
+    md = (first / "report.md").read_text()
+    assert "| zero3 | completed | 6/6 |" in md and "| zero1 | completed | 6/6 |" in md
+    own = invoke("report", "--run-root", first)
+    assert own.exit_code == 0 and "| zero3 | failed | 2/6 |" in (first / "report.md").read_text()

@@ -42,6 +42,9 @@ def report(
     floors: Annotated[Path | None, typer.Option(
         help="`zbench bench floor` JSON lines to set the training phases against (default <run-root>/floors.jsonl)."
     )] = None,
+    summary: Annotated[Path | None, typer.Option(
+        help="Summary TSV to use instead of <run-root>/summary.tsv (e.g. summary_complete.tsv from zbench merge)."
+    )] = None,
 ) -> None:
     """Write report.md and a self-contained report.html into the run root."""
     from zbench.report import write_report
@@ -49,7 +52,7 @@ def report(
     if floors is not None and not floors.is_file():
         raise _fail(f"--floors: {floors} does not exist; give a file of `zbench bench floor` output lines")
     try:
-        result = write_report(run_root, floors=floors)
+        result = write_report(run_root, floors=floors, summary=summary)
     except (RunRootError, ValueError) as e:
         raise _fail(str(e)) from None
     for w in result.warnings:

@@ -118,7 +118,8 @@ def read_floors(path: Path, warnings: list[str]) -> list[dict]:
 def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFrame:
     """Tokens per second per GPU of each training phase (step tokens, times PPO epochs for the updates, over
     phase seconds and ranks; mean over steps from mean_from_step), beside the bare-DeepSpeed floor measured for
-    the case's ZeRO stage and offload (`floors.jsonl` in the run root) and the actor update's distance to it."""
+    the case's ZeRO stage and offload (`floors.jsonl` in the run root) and the actor and critic updates' distance
+    to it."""
     start = int(spec.get("mean_from_step", 2))
     rows = []
     for c in run.cases:
@@ -141,9 +142,10 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
             floor = match[-1]
             row["bare DeepSpeed (tok/s/GPU)"] = floor["tokens_per_s_per_gpu"]
             row["floor shape (seqs × tokens per GPU)"] = f"{floor['seqs']} × {floor['seq_len']}"
-            actor = row.get("update_actor (tok/s/GPU)")
-            if isinstance(actor, float) and actor > 0:
-                row["actor update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / actor
+            for role in ("actor", "critic"):
+                rate = row.get(f"update_{role} (tok/s/GPU)")
+                if isinstance(rate, float) and rate > 0:
+                    row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -207,10 +209,12 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px;color
         ".env{color:#555;font-size:13px}")
 
 
-def write_report(root: Path, spec: str | Path = "report", floors: Path | None = None) -> Report:
+def write_report(root: Path, spec: str | Path = "report", floors: Path | None = None,
+                 summary: Path | None = None) -> Report:
     """Write report.md and report.html (with curves and phase figures) into the run root; training phases are
-    set against the floors in `floors` (default: the run root's floors.jsonl, if any)."""
-    run = load_run_root(root)
+    set against the floors in `floors` (default: the run root's floors.jsonl, if any). `summary` (e.g. the
+    `zbench merge` output) replaces the run root's own summary, so reruns in other run roots are reported too."""
+    run = load_run_root(root, summary)
     rspec = load_spec(spec)
     table, base = case_table(run, rspec.get("baseline"))
     series, warnings = collect_series([run])
