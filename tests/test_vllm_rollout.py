@@ -14,7 +14,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from zbench.config import ConfigError, dump_yaml, from_dict
 from zbench.engine.rollout import size_buckets
-from zbench.engine.vllm_rollout import check_versions, select_backend, strip_left_padding, vllm_weights
+from zbench.engine.trainer import gather, rollout_outputs, rollout_shards, shard
+from zbench.engine.vllm_rollout import (
+    check_versions,
+    parallel_args,
+    select_backend,
+    strip_left_padding,
+    vllm_weights,
+)
 
 
 def test_version_pairs() -> None:
@@ -92,15 +99,57 @@ def test_engine_refuses_vllm_without_cuda(tmp_path: Path) -> None:
     assert "rollout.backend: 'vllm' needs a CUDA GPU; use 'hf'" in res.stdout
 
 
+def test_tensor_parallel_groups_share_their_prompts() -> None:
+    """World 4, TP 2: ranks 0-1 get the first half of the prompts, ranks 2-3 the second; one copy of each group's
+    output comes back, in prompt order. TP 1 is the plain per-rank split."""
+    batch = {"input_ids": torch.arange(16).view(8, 2), "attention_mask": torch.ones(8, 2, dtype=torch.long)}
+    shards = rollout_shards(batch, world=4, tp=2)
+    assert len(shards) == 4
+    assert torch.equal(shards[0]["input_ids"], batch["input_ids"][:4])
+    assert torch.equal(shards[1]["input_ids"], batch["input_ids"][:4])
+    assert torch.equal(shards[2]["input_ids"], batch["input_ids"][4:])
+    assert torch.equal(shards[3]["input_ids"], shards[2]["input_ids"])
+    echoed = [{"responses": s["input_ids"] * 10} for s in shards]  # what each rank of a group returns alike
+    assert torch.equal(rollout_outputs(echoed, tp=2)["responses"], batch["input_ids"] * 10)
+    plain = rollout_shards(batch, world=4, tp=1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, shard(batch, 4), strict=True))
+    assert torch.equal(rollout_outputs(plain, tp=1)["input_ids"], gather(shard(batch, 4))["input_ids"])
+
+
+def test_tensor_parallel_engine_arguments_and_config() -> None:
+    assert parallel_args(1) == {"tensor_parallel_size": 1}
+    tp2 = parallel_args(2)
+    assert tp2["distributed_executor_backend"] == "external_launcher" and tp2["disable_custom_all_reduce"] is True
+    assert tp2["tensor_parallel_size"] == 2
+    four = {"trainer": {"world_size": 4}, "actor": {"micro_batch_size_per_gpu": 2},
+            "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"tensor_parallel_size": 2}}
+    assert from_dict(four).rollout.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 3 does not divide trainer.world_size=2"):
+        from_dict({"trainer": {"world_size": 2}, "rollout": {"tensor_parallel_size": 3}})
+
+
+def test_engine_refuses_tensor_parallel_hf(tmp_path: Path) -> None:
+    case = tmp_path / "case"
+    case.mkdir()
+    cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2}}
+    (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "rollout.tensor_parallel_size: only the vllm backend shards generation" in res.stdout
+
+
 @pytest.mark.vllm
-def test_grpo_with_vllm_rollout(tmp_path: Path) -> None:
-    """Two GRPO steps with the vLLM backend on the GPU; rollout and actor log-probs agree closely."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
+    """Two GRPO steps with the vLLM backend on the GPUs (one engine per rank, or one per pair of ranks); rollout
+    and actor log-probs agree closely."""
     pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     case = tmp_path / "vllm"
     case.mkdir()
-    cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2, "rollout": {"backend": "vllm", "n": 4},
+    cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2,
+           "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp},
            "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": torch.cuda.device_count()},
            "zero": {"stage": 2}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))

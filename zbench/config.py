@@ -90,7 +90,7 @@ class RolloutConfig:
     cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
-    tensor_parallel_size: int = 1  # vllm: GPUs per engine
+    tensor_parallel_size: int = 1  # vllm: GPUs per engine (a TP group of consecutive ranks shares its prompts)
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, ("hf", "vllm", "auto"))
@@ -299,6 +299,11 @@ class RunConfig:
         if self.algorithm == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n", f"GRPO compares samples within a group: needs n >= 2, got {self.rollout.n}")
         self.batch_plan()  # raises on batch sizes that do not divide over the ranks
+        tp, dp = self.rollout.tensor_parallel_size, self.trainer.world_size
+        if dp % tp:
+            raise ConfigError("rollout.tensor_parallel_size",
+                              f"{tp} does not divide trainer.world_size={dp}: every vLLM engine spans "
+                              f"tensor_parallel_size consecutive ranks; choose a divisor of {dp}")
 
     @property
     def needs_reference(self) -> bool:

@@ -89,6 +89,18 @@ def gather(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def rollout_shards(batch: dict[str, torch.Tensor], world: int, tp: int) -> list[dict[str, torch.Tensor]]:
+    """What each rank generates from: its own shard, or, under vLLM tensor parallelism, the shard of its TP group
+    (`tp` consecutive ranks run one engine, so each of them must be given the same prompts)."""
+    groups = shard(batch, world // tp)
+    return [groups[rank // tp] for rank in range(world)]
+
+
+def rollout_outputs(parts: list[dict[str, torch.Tensor]], tp: int) -> dict[str, torch.Tensor]:
+    """The step's generations in prompt order: one copy per TP group (its ranks return the same outputs)."""
+    return gather(parts[::tp])
+
+
 def pick(batch: dict[str, torch.Tensor], *keys: str) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in keys}
 
@@ -118,9 +130,10 @@ class Trainer:
 
         # a backend that cannot run here is a config error before anything starts
         self.backend = select_backend(self.cfg.rollout.backend, self.on_cuda, installed_vllm(), torch.__version__)
-        if self.backend == "vllm" and self.cfg.rollout.tensor_parallel_size != 1:
-            raise ConfigError("rollout.tensor_parallel_size", "the colocated layout runs one vLLM engine per rank on "
-                                                              "that rank's GPU; only 1 is supported")
+        if self.backend != "vllm" and self.cfg.rollout.tensor_parallel_size != 1:
+            raise ConfigError("rollout.tensor_parallel_size", f"only the vllm backend shards generation; the "
+                                                              f"{self.backend} backend runs a whole replica per rank: "
+                                                              "use 1, or rollout.backend=vllm")
         self.records = Records(case_dir)
         self.plan = self.cfg.batch_plan()
         self.timing: dict[str, float] = {}
@@ -179,8 +192,9 @@ class Trainer:
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if static else 1)
 
         with self._timed("gen"):
-            gen = gather(self.policy.call_sharded("generate", shard({"input_ids": p_ids, "attention_mask": p_mask}, dp),
-                                                  step))
+            tp = cfg.rollout.tensor_parallel_size
+            prompts = rollout_shards({"input_ids": p_ids, "attention_mask": p_mask}, dp, tp)
+            gen = rollout_outputs(self.policy.call_sharded("generate", prompts, step), tp)
         responses, r_mask = gen["responses"], gen["response_mask"]
         attn = torch.cat([p_mask, r_mask], dim=1)
         batch = {

@@ -6,6 +6,12 @@ memory, `load_weights` copies the tensors in place (Hugging Face names are accep
 gate/up are stacked by vLLM's own loader; a tied `lm_head` is the embedding), then the KV cache wakes and the
 prefix cache starts empty. Nothing here imports vLLM until an engine is built, so the selection and version
 rules are testable without it.
+
+With `tensor_parallel_size` T > 1, T consecutive ranks run one engine sharded over their GPUs, in vLLM's
+`external_launcher` mode: each rank builds the same engine inside its own process, over the process group that
+DeepSpeed already opened, and vLLM forms its TP groups of consecutive ranks from it. The ranks of a group are
+given the same prompts and the same seeds (the trainer sends them their group's shard), so they schedule and
+sample identically; each loads the full trained tensors and keeps its own slice.
 """
 
 from __future__ import annotations
@@ -100,10 +106,11 @@ class VLLMRollout:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tied_embeddings = tied_embeddings
         self.version = installed_vllm()
-        self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True, seed=seed,
+        self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                        max_model_len=max_model_len, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs")  # log-probs of the distribution actually sampled
+                       logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
+                       **parallel_args(tensor_parallel_size))
         self.asleep = False
         self.awake_used_gb = 0.0
 
@@ -167,10 +174,23 @@ class VLLMRollout:
         return pushed
 
 
+def parallel_args(tensor_parallel_size: int) -> dict[str, Any]:
+    """vLLM engine arguments for a colocated engine spanning `tensor_parallel_size` ranks (one GPU each)."""
+    if tensor_parallel_size == 1:
+        return {"tensor_parallel_size": 1}  # in-process, single GPU
+    # symmetric-memory all-reduce buffers would live outside the memory that sleep releases
+    os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+    return {"tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "external_launcher",  # every rank is its own launcher
+            # the custom all-reduce maps peers to local CUDA devices; each rank here sees only its own GPU
+            "disable_custom_all_reduce": True}
+
+
 def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool) -> VLLMRollout:
     """A VLLMRollout for a case config on one rank."""
     r = cfg.rollout
     return VLLMRollout(model_path, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                        temperature=r.temperature, top_p=r.top_p, gpu_memory_utilization=r.gpu_memory_utilization,
-                       tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed * 1_000 + rank,
+                       tensor_parallel_size=r.tensor_parallel_size,
+                       seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
                        max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, tied_embeddings=tied_embeddings)

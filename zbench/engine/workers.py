@@ -282,10 +282,11 @@ class PolicyWorker(_Worker):
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica)
 
     def generate(self, batch: Batch, step: int) -> Batch:
-        """Sample responses for this rank's prompts (already repeated n times), seeded by (seed, step, rank)."""
+        """Sample responses for this rank's prompts (already repeated n times), seeded by (seed, step, rank); the
+        ranks of one vLLM tensor-parallel group share their prompts and their seed."""
         if self.park_replica:
             self.rollout.to(self.device)
-        seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank
+        seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank // self.cfg.rollout.tensor_parallel_size
         out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
         self.sample_device_memory(getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
