@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _floor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--model", "tiny", "--seqs", "4",
@@ -20,6 +22,19 @@ def test_floors_of_several_stages_in_one_start():
         assert len(x["step_s_all"]) == 2 and x["step_s_median"] > 0
         assert x["tokens_per_s_per_gpu"] == x["seqs"] * x["seq_len"] / x["step_s_median"]
         assert x["device"] == "cpu" and x["world_size"] == 1
+
+
+def test_a_failing_floor_keeps_the_ones_measured_before_it():
+    """ZeRO-3 NVMe offload needs DeepSpeed's async-I/O op, which this kind of machine cannot build: the floors
+    before it are still printed, and the failure is one clear line naming the floor."""
+    r = _floor("--stage", "1", "--stage", "3", "--offload", "none", "--offload", "nvme")
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    if r.returncode == 0:
+        pytest.skip("NVMe offload works on this machine: no failing floor to observe")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert [(x["stage"], x["offload"]) for x in rows] == [(1, "none"), (3, "none"), (1, "nvme")]
+    assert "floor 4 of 4 (stage 3, offload nvme) failed" in r.stderr
+    assert "Traceback" not in r.stderr.split("error:")[-1]
 
 
 def test_a_bad_combination_is_refused_before_anything_starts():

@@ -63,9 +63,25 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _release_zero3_globals() -> None:
+    """DeepSpeed 0.19 keeps a ZeRO-3 engine alive after `destroy()` through two process-wide references: the
+    forward module stack and an unbounded `lru_cache` on the parameter coordinator (keyed by the modules, whose
+    parameters reference the optimizer). Clear both so the next floor starts from an empty device."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator as Coordinator,
+    )
+
+    parameter_offload.FWD_MODULE_STACK.clear()
+    wrapper = Coordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+
+
 def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
     """Build a DeepSpeed engine as the actor does, time `spec.steps` optimizer steps after `spec.warmup`, then
-    free everything it held."""
+    free everything it held (`memory_held_at_start_gb` shows what an earlier floor may have left behind)."""
     import gc
 
     import deepspeed
@@ -82,6 +98,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
                           lr=1e-5, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda, on_cuda=on_cuda,
                           nvme_path=str(Path(tempfile.gettempdir()) / "zbench-floor-nvme"))
     dtype = torch.bfloat16 if on_cuda else torch.float32
+    held = torch.cuda.memory_allocated() / 2**30 if on_cuda else None
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     model = AutoModelForCausalLM.from_pretrained(resolve_model(spec.model), dtype=dtype)
@@ -111,18 +128,29 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
               "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
               "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
               "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
+              "memory_held_at_start_gb": held,
               "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
     engine.destroy()
     del engine, model, loss
+    _release_zero3_globals()
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
     return result
 
 
+class FloorError(RuntimeError):
+    """A floor failed; `done` holds the results of the floors measured before it."""
+
+    def __init__(self, message: str, done: list[dict[str, Any]]):
+        super().__init__(message)
+        self.done = done
+
+
 def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
     """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, all in
-    one set of rank processes (they must share the model and world size)."""
+    one set of rank processes (they must share the model and world size). If one fails, `FloorError` carries
+    the results measured before it."""
     import torch.multiprocessing as mp
 
     from zbench.config import ZeroConfig
@@ -137,9 +165,20 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
         if (spec.model, spec.world_size) != (specs[0].model, specs[0].world_size):
             raise ValueError("floors measured together must share the model and the world size")
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "floors.jsonl")
-        mp.spawn(_floor_rank, args=(specs, free_port(), out), nprocs=specs[0].world_size, join=True)
-        return [json.loads(line) for line in Path(out).read_text().splitlines()]
+        out = Path(tmp) / "floors.jsonl"
+
+        def done() -> list[dict[str, Any]]:
+            return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+        try:
+            mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size, join=True)
+        except Exception as err:  # a rank raised or died: keep what was measured before
+            finished = done()
+            spec = specs[len(finished)]
+            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
+                             f"{spec.offload}) failed: {last}", finished) from err
+        return done()
 
 
 def floor(spec: FloorSpec) -> dict[str, Any]:
@@ -200,6 +239,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
             ours = graph.generate(ids, mask, max_new_tokens=32, temperature=0.0, top_p=1.0, pad_id=pad_id,
                                   eos_ids=eos_ids, generator=None)
             greedy = GenerationConfig(do_sample=False, max_new_tokens=32, pad_token_id=pad_id, eos_token_id=eos_ids)
+            lm.set_attn_implementation("sdpa")  # the decoder switched the model to its own attention: compare to stock
             theirs = lm.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)[:, prompt_len:]
             theirs = torch.cat([theirs, theirs.new_full((prompts, 32 - theirs.shape[1]), pad_id)], dim=1)
             same = (ours == theirs).long().cumprod(dim=1).sum(dim=1).float()

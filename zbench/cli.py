@@ -253,7 +253,7 @@ def bench_floor(
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per stage and
     offload, measured one after another in the same processes."""
-    from zbench.bench import FloorSpec, floors
+    from zbench.bench import FloorError, FloorSpec, floors
 
     try:
         specs = [FloorSpec(model=model, stage=st, offload=off, seqs=seqs, seq_len=seq_len, micro=micro,
@@ -262,6 +262,10 @@ def bench_floor(
                  for off in offload or ["none"] for st in stage or [2]]
         for result in floors(specs):
             print(json.dumps(result))
+    except FloorError as err:
+        for result in err.done:  # what finished before the failure is still printed
+            print(json.dumps(result))
+        fail(str(err))
     except (ValueError, ConfigError) as err:
         fail(str(err))
 
