@@ -136,14 +136,15 @@ def _decode_logits(model, input_ids, mask, steps: int) -> torch.Tensor:
 
 @torch.no_grad()
 def test_gqa_decode_attention_equals_sdpa(tiny):
-    """Folding the query heads onto their key/value head gives SDPA's logits, left padding and unfilled static
-    cache positions included; prompts (several query tokens) go through SDPA itself."""
+    """Folding the query heads onto their key/value head gives the logits of transformers' eager attention (which
+    expands the cache with `repeat_kv`), left padding and unfilled static cache positions included; prompts
+    (several query tokens) go through SDPA itself."""
     model, _, _, input_ids, mask = tiny
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
-    sdpa, folded = copy.deepcopy(model), copy.deepcopy(model)
-    sdpa.set_attn_implementation("sdpa")
+    eager, folded = copy.deepcopy(model), copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
     use_gqa_decode_attention(folded)
     assert folded.config._attn_implementation == GQA_DECODE
-    expected, got = _decode_logits(sdpa, input_ids, mask, 6), _decode_logits(folded, input_ids, mask, 6)
+    expected, got = _decode_logits(eager, input_ids, mask, 6), _decode_logits(folded, input_ids, mask, 6)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[:, 1:], got[:, :1].expand_as(got[:, 1:]))  # the steps differ: a real decode

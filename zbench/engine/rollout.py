@@ -60,13 +60,14 @@ def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None or module.training:
+    plain = any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))
+    if query.shape[2] != 1 or groups == 1 or plain or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     batch, heads, _, dim = query.shape
     folded = query.reshape(batch, heads // groups, groups, dim)
     # the mask is (B, 1, 1, L) or None: it broadcasts over the folded heads
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"))
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def use_gqa_decode_attention(model: nn.Module) -> None:
