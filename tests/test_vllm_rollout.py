@@ -111,6 +111,9 @@ def test_tensor_parallel_groups_share_their_prompts() -> None:
     assert torch.equal(shards[3]["input_ids"], shards[2]["input_ids"])
     echoed = [{"responses": s["input_ids"] * 10} for s in shards]  # what each rank of a group returns alike
     assert torch.equal(rollout_outputs(echoed, tp=2)["responses"], batch["input_ids"] * 10)
+    echoed[3] = {"responses": echoed[3]["responses"] + 1}
+    with pytest.raises(RuntimeError, match="ranks 2 and 3 generated different tokens"):
+        rollout_outputs(echoed, tp=2)
     plain = rollout_shards(batch, world=4, tp=1)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, shard(batch, 4), strict=True))
     assert torch.equal(rollout_outputs(plain, tp=1)["input_ids"], gather(shard(batch, 4))["input_ids"])

@@ -97,7 +97,13 @@ def rollout_shards(batch: dict[str, torch.Tensor], world: int, tp: int) -> list[
 
 
 def rollout_outputs(parts: list[dict[str, torch.Tensor]], tp: int) -> dict[str, torch.Tensor]:
-    """The step's generations in prompt order: one copy per TP group (its ranks return the same outputs)."""
+    """The step's generations in prompt order: one copy per TP group (its ranks must return the same tokens;
+    if they do not, the group's engines have diverged and the step cannot be trusted)."""
+    for first in range(0, len(parts), tp):
+        for rank in range(first + 1, first + tp):
+            if not torch.equal(parts[rank]["responses"], parts[first]["responses"]):
+                raise RuntimeError(f"vLLM tensor-parallel ranks {first} and {rank} generated different tokens for "
+                                   "the same prompts: their engines are out of step")
     return gather(parts[::tp])
 
 
