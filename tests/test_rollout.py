@@ -13,6 +13,7 @@ from zbench.engine.rollout import (
     GQA_DECODE,
     GraphDecoder,
     HFRollout,
+    gqa_decode_attention,
     response_mask_from,
     sample_tokens,
     use_gqa_decode_attention,
@@ -148,3 +149,18 @@ def test_gqa_decode_attention_equals_sdpa(tiny):
     expected, got = _decode_logits(eager, input_ids, mask, 6), _decode_logits(folded, input_ids, mask, 6)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[:, 1:], got[:, :1].expand_as(got[:, 1:]))  # the steps differ: a real decode
+
+
+@torch.no_grad()
+def test_gqa_decode_attention_falls_back_to_sdpa_for_a_position_bias(tiny):
+    """A position bias (a tensor) sends the step through transformers' SDPA; a zero bias changes nothing."""
+    model = tiny[0]
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    heads, kv, dim = model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim
+    query, key, value = (torch.randn(3, h, n, dim, generator=g) for h, n in ((heads, 1), (kv, 9), (kv, 9)))
+    folded, _ = gqa_decode_attention(attn, query, key, value, None, scaling=attn.scaling)
+    biased, _ = gqa_decode_attention(attn, query, key, value, None, scaling=attn.scaling,
+                                     position_bias=torch.zeros(3, heads, 1, 9))
+    assert biased.shape == folded.shape == (3, 1, heads, dim)
+    assert torch.allclose(biased, folded, atol=1e-6)

@@ -60,7 +60,8 @@ def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))
+    # a position bias is a tensor (no truth value); softcap and output_attentions are plain values
+    plain = kwargs.get("position_bias") is not None or bool(kwargs.get("softcap")) or bool(kwargs.get("output_attentions"))
     if query.shape[2] != 1 or groups == 1 or plain or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     batch, heads, _, dim = query.shape
