@@ -174,16 +174,11 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
             mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size, join=True)
         except Exception as err:  # a rank raised or died: keep what was measured before
             finished = done()
-            spec = specs[len(finished)]
+            spec = specs[min(len(finished), len(specs) - 1)]
             last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
                              f"{spec.offload}) failed: {last}", finished) from err
         return done()
-
-
-def floor(spec: FloorSpec) -> dict[str, Any]:
-    """`floors` of one spec."""
-    return floors([spec])[0]
 
 
 DECODES = ("generate", "static", "graph")

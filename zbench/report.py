@@ -230,11 +230,13 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     speeds = phase_throughput(run, rspec, read_floors(floors_path, floor_warnings))
     speed_title = "Training phases: tokens per second per GPU, beside bare DeepSpeed"
     speed_note = ("The floor trains a causal LM with its vocabulary head and loss; the critic has neither, so its "
-                  "ratio understates the critic's own overhead.")
+                  "ratio understates the critic's own overhead." if "critic update: floor ÷ measured" in speeds
+                  else "")
 
     md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",
           f"## Cases (baseline: {base})", "", _md_table(table), "## Curves", "", "![curves](curves.png)", "",
-          "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds), speed_note, "",
+          "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds),
+          *([speed_note, ""] if speed_note else []),
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
     (run.path / "phase_times.png").write_bytes(phase_png)
     (run.path / "curves.png").write_bytes(curves_png)
@@ -249,7 +251,8 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + "".join(f"<div class='env'>{html.escape(line)}</div>" for line in env)
             + f"<h2>Cases (baseline: {html.escape(base)})</h2>{_html_table(table)}"
             + f"<h2>Curves</h2>{img(curves_png, 'curves')}<h2>Phase times</h2>{img(phase_png, 'phase times')}"
-            + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}<p>{html.escape(speed_note)}</p>"
+            + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}"
+            + (f"<p>{html.escape(speed_note)}</p>" if speed_note else "")
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
             + "</body></html>")
     _atomic_write(html_path, page)

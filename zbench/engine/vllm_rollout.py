@@ -100,6 +100,8 @@ class VLLMRollout:
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
                  max_model_len: int, tied_embeddings: bool):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
+        if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
+            os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
         from vllm import LLM
 
         self.pad_id, self.eos_ids = pad_id, eos_ids
@@ -178,8 +180,6 @@ def parallel_args(tensor_parallel_size: int) -> dict[str, Any]:
     """vLLM engine arguments for a colocated engine spanning `tensor_parallel_size` ranks (one GPU each)."""
     if tensor_parallel_size == 1:
         return {"tensor_parallel_size": 1}  # in-process, single GPU
-    # symmetric-memory all-reduce buffers would live outside the memory that sleep releases
-    os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     return {"tensor_parallel_size": tensor_parallel_size,
             "distributed_executor_backend": "external_launcher",  # every rank is its own launcher
             # the custom all-reduce maps peers to local CUDA devices; each rank here sees only its own GPU

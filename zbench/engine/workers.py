@@ -50,6 +50,11 @@ def trim_left_padding(mb: Batch) -> Batch:
     return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
 
 
+def forward_micro(section: Any) -> int:
+    """Micro-batch of the gradient-free passes of an actor or critic config section (0 = its training size)."""
+    return section.forward_micro_batch_size_per_gpu or section.micro_batch_size_per_gpu
+
+
 def forward_batches(batch: Batch, size: int) -> list[Batch]:
     """`micro_batches` of `size` rows, each trimmed of its all-padding prompt columns."""
     return [trim_left_padding(mb) for mb in micro_batches(batch, size)]
@@ -311,8 +316,7 @@ class PolicyWorker(_Worker):
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
         outs = []
-        a = self.cfg.actor
-        for mb in forward_batches(self._to_device(batch), a.forward_micro_batch_size_per_gpu or a.micro_batch_size_per_gpu):
+        for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.actor)):
             outs.append(self._logprobs(model, mb)[0].cpu())
         return {key: torch.cat(outs)}
 
@@ -392,9 +396,7 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
         self.engine.eval()
-        c = self.cfg.critic
-        size = c.forward_micro_batch_size_per_gpu or c.micro_batch_size_per_gpu
-        outs = [self._values(mb).cpu() for mb in forward_batches(self._to_device(batch), size)]
+        outs = [self._values(mb).cpu() for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.critic))]
         return {"values": torch.cat(outs)}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
