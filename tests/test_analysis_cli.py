@@ -148,6 +148,19 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     assert zero2["critic update: floor ÷ measured"] == f"{12345.0 / critic:.3g}"
     assert set(zero2) >= {"old_log_prob (tok/s/GPU)", "values (tok/s/GPU)", "update_critic (tok/s/GPU)"}
     assert rows["zero3"]["bare DeepSpeed (tok/s/GPU)"] == "–"  # no floor measured for that stage
+    assert "no value-head floor was measured" in md
+    # with a floor of the critic's own model, the critic is set against it instead
+    floors.write_text(json.dumps(floor) + "\n" + json.dumps({**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0})
+                      + "\n")
+    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    md = (root / "report.md").read_text()
+    section = md.split("## Training phases")[1].split("## Memory")[0]
+    lines = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    zero2 = {cells[0]: dict(zip(lines[0], cells, strict=True)) for cells in lines[1:]}["zero2"]
+    assert zero2["bare DeepSpeed, value head (tok/s/GPU)"] == "23,456"
+    assert zero2["critic update: floor ÷ measured"] == f"{23456.0 / critic:.3g}"
+    assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
+    assert "no value-head floor was measured" not in md
     missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

@@ -39,6 +39,10 @@ class FloorSpec:
     steps: int = 5  # timed optimizer steps, after `warmup`
     warmup: int = 2
     gradient_checkpointing: bool = False
+    head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
+
+
+HEADS = ("lm", "value")
 
 
 def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
@@ -85,7 +89,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
     import gc
 
     import deepspeed
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from zbench.config import ZeroConfig, effective_offload
     from zbench.engine.ds_config import training_config
@@ -101,7 +105,13 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
     held = torch.cuda.memory_allocated() / 2**30 if on_cuda else None
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(spec.model), dtype=dtype)
+    path = resolve_model(spec.model)
+    if spec.head == "value":  # built as the critic builds it
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(path, dtype=dtype, config=config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -116,7 +126,10 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
         start = time.perf_counter()
         for _ in range(accum):
             ids = torch.randint(0, vocab, (spec.micro, spec.seq_len), generator=g).to(device)
-            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            if spec.head == "value":
+                loss = engine(input_ids=ids, use_cache=False).logits.float().square().mean()
+            else:
+                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
             engine.backward(loss)
             engine.step()
         if on_cuda:
@@ -124,11 +137,11 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
         if i >= spec.warmup:
             times.append(time.perf_counter() - start)
     step = statistics.median(times)
-    result = {**asdict(spec), "step_s_median": step, "step_s_all": times,
+    result = {**asdict(spec), "model_class": type(model).__name__, "step_s_median": step, "step_s_all": times,
               "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
               "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
               "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
-              "memory_held_at_start_gb": held,
+              "memory_held_at_start_gb": held, "cpu_threads": torch.get_num_threads(),
               "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
     engine.destroy()
     del engine, model, loss
@@ -151,10 +164,8 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
     """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, all in
     one set of rank processes (they must share the model and world size). If one fails, `FloorError` carries
     the results measured before it."""
-    import torch.multiprocessing as mp
-
     from zbench.config import ZeroConfig
-    from zbench.engine.workers import free_port
+    from zbench.engine.cluster import cpu_threads_per_rank
 
     if not specs:
         raise ValueError("no floor to measure")
@@ -162,8 +173,29 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
         ZeroConfig(stage=spec.stage, offload=spec.offload)  # a bad stage or offload is refused before any start
         if spec.seqs % spec.micro:
             raise ValueError(f"seqs={spec.seqs} must be a multiple of micro={spec.micro}")
+        if spec.head not in HEADS:
+            raise ValueError(f"head={spec.head!r}: expected one of {', '.join(HEADS)}")
         if (spec.model, spec.world_size) != (specs[0].model, specs[0].world_size):
             raise ValueError("floors measured together must share the model and the world size")
+    # each rank gets its share of the host's cores, as the engine's GPU ranks do (CPU Adam runs on them)
+    ranks = specs[0].world_size
+    threads = cpu_threads_per_rank(min(ranks, torch.cuda.device_count()) if torch.cuda.is_available() else ranks)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the spawned ranks as they start
+    try:
+        return _spawn_floors(specs)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    from zbench.engine.workers import free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "floors.jsonl"
 
@@ -177,7 +209,7 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
             spec = specs[min(len(finished), len(specs) - 1)]
             last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
-                             f"{spec.offload}) failed: {last}", finished) from err
+                             f"{spec.offload}, head {spec.head}) failed: {last}", finished) from err
         return done()
 
 

@@ -250,16 +250,18 @@ def bench_floor(
     steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
+    head: Annotated[list[str] | None, typer.Option(
+        help="lm (the actor's causal LM) or value (the critic's token head); repeat to measure both.")] = None,
 ) -> None:
-    """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per stage and
-    offload, measured one after another in the same processes."""
+    """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per head,
+    stage and offload, measured one after another in the same processes."""
     from zbench.bench import FloorError, FloorSpec, floors
 
     try:
         specs = [FloorSpec(model=model, stage=st, offload=off, seqs=seqs, seq_len=seq_len, micro=micro,
                            world_size=world_size, steps=steps, warmup=warmup,
-                           gradient_checkpointing=gradient_checkpointing)
-                 for off in offload or ["none"] for st in stage or [2]]
+                           gradient_checkpointing=gradient_checkpointing, head=hd)
+                 for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
         for result in floors(specs):
             print(json.dumps(result))
     except FloorError as err:

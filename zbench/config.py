@@ -260,7 +260,7 @@ class TrainerConfig:
     device: str = "auto"  # auto (cuda if available), cuda, cpu
     train_batch_size: int = 8  # prompts per step
     save_freq: int = 0  # checkpoint every N steps (0: never)
-    torch_threads: int = 1  # intra-op threads per CPU worker
+    torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
 
     def __post_init__(self) -> None:

@@ -108,7 +108,8 @@ def read_floors(path: Path, warnings: list[str]) -> list[dict]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 floor = json.loads(line)
-                floors.append({k: floor[k] for k in ("stage", "offload", "seqs", "seq_len", "tokens_per_s_per_gpu")})
+                floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len", "tokens_per_s_per_gpu")},
+                               "head": floor.get("head", "lm")})
             except (json.JSONDecodeError, KeyError, TypeError):
                 if line.strip():
                     warnings.append(f"{path}:{n}: not a `zbench bench floor` record; skipped")
@@ -137,15 +138,17 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                 tokens = m["perf/total_num_tokens"] * (epochs if phase.startswith("update") else 1)
                 row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
         zero = cfg.get("zero") or {}
-        match = [f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")]
-        if match:
-            floor = match[-1]
-            row["bare DeepSpeed (tok/s/GPU)"] = floor["tokens_per_s_per_gpu"]
-            row["floor shape (seqs × tokens per GPU)"] = f"{floor['seqs']} × {floor['seq_len']}"
-            for role in ("actor", "critic"):
-                rate = row.get(f"update_{role} (tok/s/GPU)")
-                if isinstance(rate, float) and rate > 0:
-                    row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
+        match = {f["head"]: f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")}
+        if "lm" in match:
+            row["bare DeepSpeed (tok/s/GPU)"] = match["lm"]["tokens_per_s_per_gpu"]
+            row["floor shape (seqs × tokens per GPU)"] = f"{match['lm']['seqs']} × {match['lm']['seq_len']}"
+        if "value" in match and "update_critic (tok/s/GPU)" in row:
+            row["bare DeepSpeed, value head (tok/s/GPU)"] = match["value"]["tokens_per_s_per_gpu"]
+        # the critic is set against a floor of its own model where one was measured, else against the LM's
+        for role, floor in (("actor", match.get("lm")), ("critic", match.get("value", match.get("lm")))):
+            rate = row.get(f"update_{role} (tok/s/GPU)")
+            if floor is not None and isinstance(rate, float) and rate > 0:
+                row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -229,8 +232,10 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     floors_path = floors or run.path / "floors.jsonl"
     speeds = phase_throughput(run, rspec, read_floors(floors_path, floor_warnings))
     speed_title = "Training phases: tokens per second per GPU, beside bare DeepSpeed"
-    speed_note = ("The floor trains a causal LM with its vocabulary head and loss; the critic has neither, so its "
-                  "ratio understates the critic's own overhead." if "critic update: floor ÷ measured" in speeds
+    critic_vs_lm = ("critic update: floor ÷ measured" in speeds
+                    and "bare DeepSpeed, value head (tok/s/GPU)" not in speeds)
+    speed_note = ("The critic is set against the causal-LM floor (no value-head floor was measured: `zbench bench "
+                  "floor --head value`); the LM floor trains a vocabulary head the critic lacks." if critic_vs_lm
                   else "")
 
     md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",

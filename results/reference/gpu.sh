@@ -3,6 +3,7 @@
 #   bash results/reference/gpu.sh prep                      # env.json, GSM8K parquet, the qwen3-0.6b preset, DeepSpeed ops
 #   bash results/reference/gpu.sh gen [DECODE...]           # generation bench, one JSON line per decode mode
 #   bash results/reference/gpu.sh floor "STAGES" "OFFLOADS" SEQS SEQ_LEN  # bare-DeepSpeed floors on all GPUs
+#        ($FLOOR_HEADS: "lm", "value" or "lm value", default lm; $FLOOR_MICRO: micro-batch, default 8)
 #   bash results/reference/gpu.sh run MATRIX CASES STEPS [zbench run args...]
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
@@ -36,7 +37,8 @@ gen)
   ;;
 floor)  # every stage in "$1" with every offload in "$2", one after another in the same processes
   args=(); for s in $1; do args+=(--stage "$s"); done; for o in $2; do args+=(--offload "$o"); done
-  python3 -m zbench bench floor --model qwen3-0.6b "${args[@]}" --seqs "$3" --seq-len "$4" --micro 8 \
+  for h in ${FLOOR_HEADS:-lm}; do args+=(--head "$h"); done
+  python3 -m zbench bench floor --model qwen3-0.6b "${args[@]}" --seqs "$3" --seq-len "$4" --micro "${FLOOR_MICRO:-8}" \
     --world-size "$(ngpu)" --warmup 1 --steps 2 | grep '^{' | tee -a "$out/floors.jsonl"
   ;;
 run)

@@ -29,6 +29,13 @@ def ray_tmpdir(case_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
 
 
+def cpu_threads_per_rank(local_ranks: int) -> int:
+    """CPU threads each GPU rank may use: the cores this process may run on, shared among the ranks of this host.
+    CPU Adam (offload) and host-side copies run on them; Ray would otherwise pin every worker to one thread."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
 def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
     """Start a private Ray on loopback, or connect to the cluster in ZBENCH_RAY_ADDRESS."""
     address = os.environ.get("ZBENCH_RAY_ADDRESS", "").strip()

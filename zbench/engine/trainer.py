@@ -161,7 +161,7 @@ class Trainer:
                             d.max_prompt_length)
 
     def _start_workers(self) -> None:
-        from zbench.engine.cluster import Placement, start_ray
+        from zbench.engine.cluster import Placement, cpu_threads_per_rank, start_ray
         from zbench.engine.workers import CriticWorker, PolicyWorker
 
         t = self.cfg.trainer
@@ -169,7 +169,10 @@ class Trainer:
         self.records.beat()
         ppo = self.cfg.algorithm == "ppo"
         self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if ppo else 1)
-        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(t.torch_threads)}
+        # CPU workers take the configured threads; a GPU rank takes its host's share of the cores (the actor and
+        # the critic of a rank never compute at the same time), which CPU Adam needs when offloading
+        threads = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count())) if self.on_cuda else t.torch_threads
+        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
         from zbench.config import to_dict
