@@ -126,24 +126,102 @@ def test_value_loss_by_hand():
     close(clipfrac, 0.5)
 
 
-def test_entropy_from_logits():
+def test_token_logprobs_and_entropy_by_hand():
     p = torch.tensor([0.5, 0.25, 0.25])
-    logits = torch.stack([p.log() + 3.0, torch.zeros(3)])  # a constant shift leaves the distribution alone
-    ent = algos.entropy_from_logits(logits)
-    close(ent, [1.5 * math.log(2), math.log(3)])
-    assert algos.entropy_from_logits(logits.bfloat16()).dtype == torch.float32
-
-
-def test_logprobs_from_logits_float_and_bf16():
-    p = torch.tensor([0.5, 0.25, 0.25])
-    logits = (p.log() + 1.0).expand(2, 3, 3).clone()
-    labels = torch.tensor([[0, 1, 2], [2, 2, 0]])
-    lp = algos.logprobs_from_logits(logits, labels)
-    close(lp, p.log()[labels])
-    lp16 = algos.logprobs_from_logits(logits.bfloat16(), labels)
-    assert lp16.dtype == torch.float32 and lp16.shape == labels.shape
+    logits = torch.stack([p.log() + 3.0, torch.zeros(3)])[None]  # a constant shift leaves the distribution alone
+    labels = torch.tensor([[0, 2]])
+    lp, ent = algos.token_logprobs_and_entropy(logits, labels, with_entropy=True)
+    close(lp, [[math.log(0.5), math.log(1 / 3)]])
+    close(ent, [[1.5 * math.log(2), math.log(3)]])
+    lp16, ent16 = algos.token_logprobs_and_entropy(logits.bfloat16(), labels, with_entropy=True)
+    assert lp16.dtype == ent16.dtype == torch.float32 and lp16.shape == labels.shape
     close(lp16, torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, labels[..., None])[..., 0])
-    close(algos.logprobs_from_logits(logits[0], labels[0]), p.log()[labels[0]])
+    # temperature 2 flattens [0.5, 0.25, 0.25] to probabilities proportional to its square roots
+    q = p.sqrt() / p.sqrt().sum()
+    lp2, _ = algos.token_logprobs_and_entropy(logits[:, :1], labels[:, :1], temperature=2.0)
+    close(lp2, [[q[0].log()]])
+    assert algos.token_logprobs_and_entropy(logits, labels)[1] is None
+    # one sequence as [T, V]
+    close(algos.token_logprobs_and_entropy(logits[0], labels[0], with_entropy=True)[1], ent[0])
+    with pytest.raises(ValueError, match=r"logits \(1, 2, 3\) do not match labels \(1, 3\)"):
+        algos.token_logprobs_and_entropy(logits, torch.zeros(1, 3, dtype=torch.long))
+    lp0, ent0 = algos.token_logprobs_and_entropy(logits[:, :0], labels[:, :0], with_entropy=True)
+    assert lp0.shape == ent0.shape == (1, 0)
+
+
+def test_entropy_without_gradient_leaves_the_log_prob_gradient_alone():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 5, 9, generator=g)
+    labels = torch.randint(0, 9, (2, 5), generator=g)
+    grads = []
+    for with_entropy in (False, True):
+        logits = base.clone().requires_grad_(True)
+        logp, ent = algos.token_logprobs_and_entropy(logits, labels, with_entropy=with_entropy, entropy_grad=False,
+                                                     chunk_tokens=2)
+        assert ent is None or not ent.requires_grad
+        logp.sum().backward()
+        grads.append(logits.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def _reference_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    z = logits.float() / temperature
+    logp = torch.log_softmax(z, -1).gather(-1, labels[..., None])[..., 0]
+    ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    return logp, ent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_the_whole_computation_values_and_gradients(dtype):
+    """Chunks of 7 positions (not dividing 3 × 11) give the same values and, through the checkpoint's
+    recomputation, the same gradients as one unchunked float32 computation."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(3, 11, 50, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, 50, (3, 11), generator=g)
+    weights = torch.randn(3, 11, generator=g)
+    grads = []
+    for fn in ("chunked", "reference"):
+        logits = base.clone().requires_grad_(True)
+        if fn == "chunked":
+            logp, ent = algos.token_logprobs_and_entropy(logits, labels, 0.7, with_entropy=True, chunk_tokens=7)
+        else:
+            logp, ent = _reference_stats(logits, labels, 0.7)
+        ((logp * weights).sum() + 0.1 * ent.sum()).backward()
+        grads.append((logp.detach(), ent.detach(), logits.grad.float()))
+    (lp, en, gr), (lp_ref, en_ref, gr_ref) = grads
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(en, en_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gr, gr_ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+def test_chunked_logprobs_keep_no_float32_copy_of_the_logits_for_backward():
+    """What autograd holds for backward, outside the checkpointed chunks and beyond the logits themselves: nothing
+    as large as the logits in float32 (the whole computation keeps several such copies)."""
+    logits = torch.randn(4, 64, 5000).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 5000, (4, 64))
+    fp32_bytes = logits.numel() * 4
+
+    def saved_bytes(fn) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():  # the logits (and views
+                # of them) exist anyway
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, ent = fn()
+        ((logp + ent).sum()).backward()
+        return total
+
+    # the model's response positions are a slice along the sequence: taken as views, not copied
+    chunked = saved_bytes(lambda: algos.token_logprobs_and_entropy(logits[:, :-1], labels[:, :-1],
+                                                                   with_entropy=True, chunk_tokens=32))
+    whole = saved_bytes(lambda: _reference_stats(logits, labels, 1.0))
+    assert whole >= 2 * fp32_bytes
+    assert chunked < 0.05 * fp32_bytes, (chunked, fp32_bytes)
 
 
 def test_apply_kl_in_reward_by_hand():

@@ -161,6 +161,11 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     assert zero2["critic update: floor ÷ measured"] == f"{23456.0 / critic:.3g}"
     assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
     assert "no value-head floor was measured" not in md
+    # a case whose critic is still set against the LM floor (no value-head floor for its stage) brings the note back
+    floors.write_text("".join(json.dumps(f) + "\n" for f in (
+        floor, {**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0}, {**floor, "stage": 3})))
+    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert "no value-head floor was measured" in (root / "report.md").read_text()
     missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

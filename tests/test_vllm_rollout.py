@@ -165,7 +165,7 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int, monkeypatch: pytest.Mon
            "zero": {"stage": 2}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
     res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600 if tp == 1 else 300)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     result = json.loads((case / "result.json").read_text())
     assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]

@@ -232,8 +232,10 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     floors_path = floors or run.path / "floors.jsonl"
     speeds = phase_throughput(run, rspec, read_floors(floors_path, floor_warnings))
     speed_title = "Training phases: tokens per second per GPU, beside bare DeepSpeed"
-    critic_vs_lm = ("critic update: floor ÷ measured" in speeds
-                    and "bare DeepSpeed, value head (tok/s/GPU)" not in speeds)
+    value_floor = speeds.get("bare DeepSpeed, value head (tok/s/GPU)")
+    critic_ratio = speeds.get("critic update: floor ÷ measured")
+    critic_vs_lm = critic_ratio is not None and bool(
+        (critic_ratio.notna() & (value_floor.isna() if value_floor is not None else True)).any())
     speed_note = ("The critic is set against the causal-LM floor (no value-head floor was measured: `zbench bench "
                   "floor --head value`); the LM floor trains a vocabulary head the critic lacks." if critic_vs_lm
                   else "")

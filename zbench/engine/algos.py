@@ -175,30 +175,6 @@ def value_loss(
     return vf_loss, vf_clipfrac
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution over the last dim, in float32: ``logsumexp(z) - sum(p * z)``."""
-    z = logits.float()
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of ``labels`` under ``logits`` ([..., V] -> [...]) in float32.
-
-    Full-precision logits use ``z[label] - logsumexp(z)`` without materialising a log-softmax; half-precision
-    logits are upcast one row at a time so that a [B, T, V] float32 copy never exists at once.
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
-        return (picked - torch.logsumexp(logits, dim=-1)).float()
-    flat_logits = logits.reshape(-1, logits.shape[-2], logits.shape[-1]) if logits.dim() > 2 else logits[None]
-    flat_labels = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels[None]
-    rows = [
-        torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-        for row, lab in zip(flat_logits, flat_labels, strict=True)
-    ]
-    return torch.stack(rows).reshape(labels.shape)
-
-
 def apply_kl_in_reward(
     token_level_scores: torch.Tensor,
     logprob: torch.Tensor,
@@ -230,3 +206,58 @@ def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -
     rows = torch.nonzero(has_token).squeeze(-1)
     out[rows, last[rows]] = scores[rows].to(torch.float32)
     return out
+
+
+def _token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool,
+                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(lse)
+    # last, and without a graph when no gradient is wanted: a checkpoint's recomputation stops once it has what
+    # backward needs, so then it skips the entropy
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    return logp, ent
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                               with_entropy: bool = False, entropy_grad: bool = True, chunk_tokens: int = 1024,
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of ``labels`` under ``logits / temperature`` and, if asked, the entropy (with gradients
+    only if ``entropy_grad``), both float32 ([..., T, V] -> [..., T]), computed at most ``chunk_tokens`` positions
+    of one sequence at a time.
+
+    The float32 copy of the logits, its softmax and its log-sum-exp exist for one chunk at a time. With gradients,
+    each chunk is checkpointed: backward recomputes it from the (half-precision) logits instead of keeping the
+    float32 intermediates of the whole micro-batch, which over a 152k vocabulary are several GB. Chunks are views
+    within one sequence, so logits sliced along the sequence (the model's response positions) are not copied. The
+    values equal an unchunked computation (every quantity is per position).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)} (expected "
+                         f"labels.shape + (vocab,))")
+    if labels.numel() == 0:
+        empty = logits.new_zeros(labels.shape, dtype=torch.float32)
+        return empty, empty.clone() if with_entropy else None
+    seqs = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
+    seq_labels = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels[None]
+    keep_graph = torch.is_grad_enabled() and logits.requires_grad
+    logps, ents = [], []
+    for seq, lab in zip(seqs, seq_labels, strict=True):
+        for start in range(0, seq.shape[0], chunk_tokens):
+            args = (seq[start : start + chunk_tokens], lab[start : start + chunk_tokens], temperature, with_entropy,
+                    entropy_grad)
+            if keep_graph:  # nothing in a chunk is random: no RNG state to keep for its recomputation
+                logp, ent = checkpoint(_token_stats, *args, use_reentrant=False, preserve_rng_state=False)
+            else:
+                logp, ent = _token_stats(*args)
+            logps.append(logp)
+            ents.append(ent)
+    logp = torch.cat(logps).reshape(labels.shape)
+    return logp, torch.cat(ents).reshape(labels.shape) if with_entropy else None

@@ -306,13 +306,10 @@ class PolicyWorker(_Worker):
         width = mb["responses"].shape[1]
         out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
                     use_cache=False, logits_to_keep=width + 1)
-        logits = out.logits[:, :-1].float()
-        if self.cfg.rollout.temperature > 0:
-            logits = logits / self.cfg.rollout.temperature
-        logp = algos.logprobs_from_logits(logits, mb["responses"])
-        if not entropy:
-            return logp, None
-        return logp, algos.entropy_from_logits(logits if entropy_grad else logits.detach())
+        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        # chunked (and checkpointed under autograd): no float32 copy of the micro-batch's whole logits is kept
+        return algos.token_logprobs_and_entropy(out.logits[:, :-1], mb["responses"], temperature,
+                                                with_entropy=entropy, entropy_grad=entropy_grad)
 
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
