@@ -7,8 +7,10 @@ an RL step trains on, and bare Hugging Face `generate`.
 
 `floor` spawns one process per rank (NCCL on CUDA, gloo on CPU), builds a DeepSpeed engine exactly as the
 engine's actor does (same config builder), and times forward + backward + optimizer steps over random tokens:
-the update phase of an RL step cannot be much faster than this. Several stages and offloads are measured one
-after another in the same processes, so the start-up is paid once.
+the update phase of an RL step cannot be much faster than this. `--head value` measures the critic's model (the
+same backbone with a one-output token head, as the critic builds it) instead of the actor's causal LM. Several
+heads, stages and offloads are measured one after another in the same processes, so the start-up is paid once.
+Each rank gets its share of the host's cores as CPU threads, as the engine's GPU ranks do.
 """
 
 from __future__ import annotations
