@@ -25,11 +25,11 @@ demo: install
 	  $(BIN)/zbench plot --run-root "$$root" && $(BIN)/zbench report --run-root "$$root"
 
 test: install
-	$(BIN)/ruff check zbench tests
+	$(BIN)/ruff check zbench tests benchmarks
 	$(BIN)/python -m pytest -q -ra
 
 lint: install
-	$(BIN)/ruff check zbench tests
+	$(BIN)/ruff check zbench tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
