@@ -63,6 +63,32 @@ def test_step_timeout_kills_hung_case(tmp_path: Path) -> None:
     assert status["last_step"] == 1 and time.monotonic() - t0 < 6
 
 
+def test_a_timeout_prints_where_the_case_hung(tmp_path: Path) -> None:
+    """The processes that registered for stack dumps print their stacks into train.log before the kill."""
+    cdir = tmp_path / "case"
+    status = run(tmp_path, "hang_in_function", step_timeout_s=1.0)
+    assert status["status"] == "timeout" and "step timeout" in status["reason"]
+    log = (cdir / "train.log").read_text()
+    assert "==== zbench: step timeout: no heartbeat for 1 s; the stacks of its 1 Python processes follow" in log
+    dump = log.split("the stacks of its 1 Python processes follow")[1]
+    assert "Current thread" in dump and "blocked_in_fake_engine" in dump
+    assert not (cdir / "stack_pids").exists()
+
+
+def test_a_timeout_prints_where_a_ray_worker_hung(tmp_path: Path) -> None:
+    """Through Ray's log forwarding, a hung worker's stack reaches the case's train.log too."""
+    pytest.importorskip("ray")
+    cdir = tmp_path / "case"
+    status = run(tmp_path, "ray_hang", step_timeout_s=20.0)  # Ray's start-up counts against it
+    assert status["status"] == "timeout", status
+    log = (cdir / "train.log").read_text()
+    assert "the stacks of its 2 Python processes follow" in log
+    dump = log.split("Python processes follow")[1]
+    assert "waiting_for_worker" in dump and "stuck_in_worker" in dump
+    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))
+    shutil.rmtree(launch.ray_tmpdir_for(cdir), ignore_errors=True)
+
+
 def test_case_timeout(tmp_path: Path) -> None:
     status = run(tmp_path, "slow", case_timeout_s=1.5, step_timeout_s=30.0)
     assert status["status"] == "timeout" and "case timeout" in status["reason"]

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import psutil
 import yaml
 
-from zbench import store
+from zbench import stacks, store
 from zbench.runner_profile import RunnerProfile
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
@@ -194,6 +194,11 @@ def _watchdog(
             watch.fired = f"case timeout: still running after {case_timeout_s:g} s"
         elif step_timeout_s is not None and now - last > step_timeout_s:
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
+        if watch.fired:  # a hang: first ask the engine's processes where they are
+            with contextlib.suppress(OSError), (case_dir / store.TRAIN_LOG).open("ab") as logf:
+                asked = len(stacks.registered(case_dir))
+                logf.write(f"==== zbench: {watch.fired}; the stacks of its {asked} Python processes follow\n".encode())
+            stacks.request_stack_dumps(case_dir)
         if watch.interrupted or watch.fired:
             kill_processes(watch.pgid, watch.leftovers(), grace_s)
             return
@@ -339,6 +344,7 @@ def run_attempt(
     cdir.mkdir(parents=True, exist_ok=True)
     if attempt > 1:
         _prepare_attempt(cdir, attempt)
+    stacks.forget(cdir)
     ray_dir = ray_tmpdir_for(cdir)
     child_env = {**os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1"}
     log = cdir / store.TRAIN_LOG
@@ -371,6 +377,7 @@ def run_attempt(
         kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
     finally:
         _ACTIVE.discard(watch)
+        stacks.forget(cdir)
     log_text = _read_attempt_log(log, offset)
     warnings: list[str] = []
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings)

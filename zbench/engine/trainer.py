@@ -23,6 +23,7 @@ from zbench.config import EXPERIMENTAL_TP_ENV, ConfigError, RunConfig, effective
 from zbench.engine import algos
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
+from zbench.stacks import enable_stack_dumps
 from zbench.store import atomic_write_text
 
 SYNTHETIC_DATA_SEED = 0  # the generated problem set is the same for every case; the case seed orders it
@@ -395,6 +396,7 @@ class Trainer:
 def main(case_dir: str) -> int:
     """Train the case in `case_dir`; exit codes: 0 done, 1 failure, 2 config error."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    enable_stack_dumps(case_dir)  # a timeout asks for this process's stacks before killing it
     try:
         trainer = Trainer(Path(case_dir))
         trainer.run()

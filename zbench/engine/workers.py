@@ -23,6 +23,7 @@ import torch
 from zbench.config import RunConfig, effective_offload, from_dict
 from zbench.engine import algos
 from zbench.engine.records import gpu_memory_in_use_gb
+from zbench.stacks import enable_stack_dumps
 
 Batch = dict[str, torch.Tensor]
 
@@ -84,6 +85,7 @@ class _Worker:
         self.cfg: RunConfig = from_dict(cfg)
         self.rank, self.world_size = rank, world_size
         self.case_dir = Path(case_dir)
+        enable_stack_dumps(self.case_dir)  # a hung case prints where this worker is before it is killed
         self.model_path = model_path
         self.offload = effective_offload(self.cfg.zero.stage, self.cfg.zero.offload)
         self.on_cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
