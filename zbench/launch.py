@@ -195,10 +195,11 @@ def _watchdog(
         elif step_timeout_s is not None and now - last > step_timeout_s:
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
         if watch.fired:  # a hang: first ask the engine's processes where they are
+            procs = stacks.registered(case_dir)
             with contextlib.suppress(OSError), (case_dir / store.TRAIN_LOG).open("ab") as logf:
-                asked = len(stacks.registered(case_dir))
-                logf.write(f"==== zbench: {watch.fired}; the stacks of its {asked} Python processes follow\n".encode())
-            stacks.request_stack_dumps(case_dir)
+                logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(procs)} Python processes follow\n"
+                           .encode())
+            stacks.request_stack_dumps(procs)
         if watch.interrupted or watch.fired:
             kill_processes(watch.pgid, watch.leftovers(), grace_s)
             return

@@ -52,11 +52,11 @@ def registered(case_dir: Path) -> list[psutil.Process]:
     return procs
 
 
-def request_stack_dumps(case_dir: Path, wait_s: float = 3.0) -> int:
-    """Signal the case's registered processes to print their stacks, wait `wait_s` for the output to reach the
+def request_stack_dumps(procs: list[psutil.Process], wait_s: float = 3.0) -> int:
+    """Signal registered processes (`registered`) to print their stacks, wait `wait_s` for the output to reach the
     log, and return how many were signalled."""
     signalled = 0
-    for p in registered(case_dir):
+    for p in procs:
         with contextlib.suppress(psutil.Error):
             p.send_signal(STACK_SIGNAL)
             signalled += 1

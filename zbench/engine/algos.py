@@ -209,14 +209,14 @@ def outcome_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -
 
 
 def _token_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool,
-                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 entropy_grad: bool) -> tuple[torch.Tensor, ...]:
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = torch.gather(z, -1, labels.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
-        return logp, torch.zeros_like(lse)
+        return (logp,)
     # last, and without a graph when no gradient is wanted: a checkpoint's recomputation stops once it has what
     # backward needs, so then it skips the entropy
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -248,16 +248,14 @@ def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, tempe
     seqs = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits[None]
     seq_labels = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels[None]
     keep_graph = torch.is_grad_enabled() and logits.requires_grad
-    logps, ents = [], []
+    chunks = []  # (logp,) or (logp, entropy) per chunk
     for seq, lab in zip(seqs, seq_labels, strict=True):
         for start in range(0, seq.shape[0], chunk_tokens):
             args = (seq[start : start + chunk_tokens], lab[start : start + chunk_tokens], temperature, with_entropy,
                     entropy_grad)
             if keep_graph:  # nothing in a chunk is random: no RNG state to keep for its recomputation
-                logp, ent = checkpoint(_token_stats, *args, use_reentrant=False, preserve_rng_state=False)
+                chunks.append(checkpoint(_token_stats, *args, use_reentrant=False, preserve_rng_state=False))
             else:
-                logp, ent = _token_stats(*args)
-            logps.append(logp)
-            ents.append(ent)
-    logp = torch.cat(logps).reshape(labels.shape)
-    return logp, torch.cat(ents).reshape(labels.shape) if with_entropy else None
+                chunks.append(_token_stats(*args))
+    logp, *ent = (torch.cat(parts).reshape(labels.shape) for parts in zip(*chunks, strict=True))
+    return logp, ent[0] if ent else None

@@ -31,7 +31,7 @@ def ray_tmpdir(case_dir: Path) -> Path:
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
     """CPU threads each GPU rank may use: the cores this process may run on, shared among the ranks of this host.
-    CPU Adam (offload) and host-side copies run on them; Ray would otherwise pin every worker to one thread."""
+    CPU Adam (offload) and host-side copies run on them: one thread each would serialize CPU Adam."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_ranks))
 
