@@ -58,11 +58,13 @@ def set_steps(case: Path, steps: int) -> None:
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     """Steps 3-4 after a resume from the step-2 checkpoint equal those of an uninterrupted run (ZeRO-3 + CPU
-    offload, PPO: actor, critic, optimizer states, data position and sampling all restored)."""
+    offload, PPO: actor, critic, optimizer states, data position and sampling all restored). The uninterrupted
+    run profiles step 3, which must change none of its numbers and must leave a profile per worker."""
     knobs = dict(algorithm="ppo", zero__stage=3, zero__offload="cpu", trainer__save_freq=2,
                  actor__use_kl_loss=True)
-    full = make_case(tmp_path, "full", steps=4, **knobs)
+    full = make_case(tmp_path, "full", steps=4, trainer__profile_step=3, **knobs)
     train(full)
+    check_profiles(full, step=3)
     part = make_case(tmp_path, "part", steps=2, **knobs)
     train(part)
     assert json.loads((part / "ckpt" / "state.json").read_text())["step"] == 2
@@ -79,6 +81,23 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     missing = PPO_METRICS - set(a[-1])
     assert not missing, missing
+
+
+def check_profiles(case: Path, step: int) -> None:
+    """Every worker of a PPO case wrote its step profile, each naming the phases that worker ran."""
+    phases = {"actor": ("gen", "old_log_prob", "ref", "update_actor", "update_weights"),
+              "critic": ("values", "update_critic")}
+    for role, names in phases.items():
+        for rank in (0, 1):
+            text = (case / "profile" / f"step{step}-{role}-rank{rank}.txt").read_text()
+            rows = {line.split()[0]: line.split() for line in text.splitlines()[3:] if line.strip()}
+            for name in names:
+                assert float(rows[name][1]) > 0, (role, rank, name, text[:2000])  # wall ms
+            assert (case / "profile" / f"step{step}-{role}-rank{rank}.json.gz").stat().st_size > 0
+    log = (case / "train.log").read_text()
+    assert f"[profile] step {step} CriticWorker rank 1 update_critic: wall" in log
+    marked = [r["step"] for r in records(case) if r.get("perf/profiled")]
+    assert marked == [step]
 
 
 def test_grpo_raises_the_score(tmp_path: Path) -> None:

@@ -140,6 +140,21 @@ def test_summary_of_unstarted_case_and_single_step(tmp_path: Path) -> None:
     assert one["step_time_mean_s"] == "9" and one["steps_completed"] == "1" and one["steps_target"] == "1"
 
 
+def test_step_means_leave_out_a_profiled_step(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    write_case(root.path / "zero3", "grpo")
+    path = root.path / "zero3" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    recs[2].update({"timing_s/step": 40.0, "perf/throughput": 0.5, "perf/profiled": 1.0})  # step 3, slowed
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _, row = root.summary_rows()
+    assert row["step_time_mean_s"] == "2" and row["throughput_mean"] == "10"  # step 2 alone
+    recs = [{**r, "perf/profiled": 1.0} for r in recs[:1]]  # the only step was profiled: it still counts
+    path.write_text(json.dumps(recs[0]) + "\n")
+    _, row = root.summary_rows()
+    assert row["step_time_mean_s"] == "9"
+
+
 def test_summary_is_replaced_atomically(tmp_path: Path) -> None:
     root = make_root(tmp_path, names=[f"c{i}" for i in range(30)])
     for i in range(30):

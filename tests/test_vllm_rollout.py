@@ -17,6 +17,8 @@ from zbench.engine.rollout import size_buckets
 from zbench.engine.trainer import gather, rollout_outputs, rollout_shards, shard
 from zbench.engine.vllm_rollout import (
     check_versions,
+    fitted_kv_cache_bytes,
+    kv_bytes_per_token,
     parallel_args,
     select_backend,
     strip_left_padding,
@@ -81,6 +83,21 @@ def test_size_buckets_cover_every_parameter_once() -> None:
         assert total >= limit and total - sizes[b[-1][0]] < limit
     assert len(list(size_buckets(named, 10**12))) == 1
     assert all(len(b) == 1 for b in size_buckets(named, 1))
+
+
+def test_kv_cache_fitted_to_one_rollout() -> None:
+    """Qwen3-0.6B: 28 layers x 8 KV heads x 128 dims, keys and values in bf16 = 112 KiB per token per GPU (half
+    under TP 2); a rollout of 128 sequences of 1024 tokens takes 14 GiB, plus 5%."""
+    from zbench.engine.models import qwen3_06b_config
+
+    cfg = qwen3_06b_config()
+    assert kv_bytes_per_token(cfg, 1) == 2 * 28 * 8 * 128 * 2 == 114_688
+    assert kv_bytes_per_token(cfg, 2) == 57_344
+    assert kv_bytes_per_token(cfg, 16) == kv_bytes_per_token(cfg, 8)  # 8 KV heads: replicated beyond TP 8
+    assert fitted_kv_cache_bytes(cfg, 128, 1024, 1) == int(128 * 1024 * 114_688 * 1.05)
+    # a length that is not a whole number of blocks takes whole blocks
+    assert fitted_kv_cache_bytes(cfg, 1, 1000, 1) == fitted_kv_cache_bytes(cfg, 1, 1008, 1)
+    assert fitted_kv_cache_bytes(cfg, 1, 1009, 1) > fitted_kv_cache_bytes(cfg, 1, 1008, 1)
 
 
 def test_strip_left_padding() -> None:

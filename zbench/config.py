@@ -91,6 +91,8 @@ class RolloutConfig:
     cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
+    kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
+    enforce_eager: bool = False  # vllm: no torch.compile or CUDA graphs (slower decoding)
     tensor_parallel_size: int = 1  # vllm: GPUs per engine (a TP group of consecutive ranks shares its prompts)
 
     def __post_init__(self) -> None:
@@ -263,6 +265,7 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every N steps (0: never)
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
+    profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size)
@@ -271,6 +274,7 @@ class TrainerConfig:
         _positive("save_freq", self.save_freq, allow_zero=True)
         _positive("torch_threads", self.torch_threads)
         _positive("log_samples", self.log_samples, allow_zero=True)
+        _positive("profile_step", self.profile_step, allow_zero=True)
 
 
 ALGORITHMS = ("ppo", "grpo")

@@ -84,14 +84,21 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
     return pd.DataFrame(rows), base.name
 
 
+def steady_steps(m: pd.DataFrame, start: int) -> pd.DataFrame:
+    """Steps from `start` on (all of them if none reaches it), without a profiled step (the profiler slows it)
+    unless it is the only one."""
+    if "perf/profiled" in m.columns and (m["perf/profiled"] != 1).any():
+        m = m[m["perf/profiled"] != 1]
+    return m[m.index >= start] if (m.index >= start).any() else m
+
+
 def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
     """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N)."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
         int(spec.get("mean_from_step", 2))
     out = {}
     for c in run.cases:
-        m = read_metrics(c.dir / "metrics.jsonl")
-        m = m[m.index >= start] if (m.index >= start).any() else m
+        m = steady_steps(read_metrics(c.dir / "metrics.jsonl"), start)
         cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude]
         if cols:
             out[c.name] = m[cols].mean()
@@ -127,8 +134,7 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
         cfg = read_case_config(c.dir)
         world = int((cfg.get("trainer") or {}).get("world_size") or 1)
         epochs = int((cfg.get("actor") or {}).get("ppo_epochs") or 1)
-        m = read_metrics(c.dir / "metrics.jsonl")
-        m = m[m.index >= start] if (m.index >= start).any() else m
+        m = steady_steps(read_metrics(c.dir / "metrics.jsonl"), start)
         if "perf/total_num_tokens" not in m.columns:
             continue
         row: dict[str, object] = {"case": c.name}

@@ -212,8 +212,11 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> list[float]:
 
 
 def _steady_mean(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    """Mean over steps 2..N when there are at least two steps (step 1 includes warm-up), else step 1."""
+    """Mean over steps 2..N when there are at least two steps (step 1 includes warm-up), else step 1; a profiled
+    step is left out when there are others."""
     by_step = [r for r in records if isinstance(r.get("step"), int)]
+    unprofiled = [r for r in by_step if not r.get("perf/profiled")]  # a profiled step is slowed by the profiler
+    by_step = unprofiled or by_step
     later = [r for r in by_step if r["step"] >= 2]
     values = _series(later if later else by_step, key)
     return statistics.fmean(values) if values else None

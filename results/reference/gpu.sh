@@ -10,7 +10,7 @@
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
 # micro-batch 8 for training and 16 for log-probs and values, actor lr 1e-6, critic lr 1e-5) and stops itself
 # after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
-# recorded as interrupted) and packed even when time runs out.
+# recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
 # Needs GSM8K jsonl in $GSM8K_DIR (default .gsm8k/) and zbench importable (pip install -e ., or a kit on PYTHONPATH).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -45,7 +45,7 @@ run)
   matrix=$1; cases=$2; steps=$3; shift 3
   tag=gpu-$matrix${RUN_TAG:+-$RUN_TAG}
   timeout -s INT -k 30 "${RUN_BUDGET_S:-540}" python3 -m zbench run "$matrix" --cases "$cases" --steps "$steps" \
-    --seed 7777 --results-dir /tmp/zbench-results --tag "$tag" --retries 0 --step-timeout 400 \
+    --seed 7777 --results-dir /tmp/zbench-results --tag "$tag" --retries 0 --step-timeout "${STEP_TIMEOUT_S:-400}" \
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \
     --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512 \

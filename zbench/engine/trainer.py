@@ -194,6 +194,11 @@ class Trainer:
         cfg, n, dp = self.cfg, self.cfg.rollout.n, self.cfg.trainer.world_size
         self.timing = {}
         metrics: dict[str, float] = {}
+        profiled = step == cfg.trainer.profile_step
+        groups = [g for g in (self.policy, self.critic) if g is not None]
+        if profiled:
+            for g in groups:
+                g.call("profile_start")
         t0 = time.perf_counter()
         idx = self.prompts.indices(step)
         prompt_ids = [self.prompts.ids[i] for i in idx for _ in range(n)]
@@ -260,6 +265,9 @@ class Trainer:
         with self._timed("update_weights"):
             self.policy.call("sync_weights")
         self.timing["timing_s/step"] = time.perf_counter() - t0
+        if profiled:
+            metrics["perf/profiled"] = 1.0  # slower than the others: step means leave it out
+            self._print_profiles(step, groups)
 
         metrics.update(self._batch_metrics(batch, scores, rewards, adv, ret))
         metrics.update(self.timing)
@@ -267,6 +275,16 @@ class Trainer:
         for i in range(min(cfg.trainer.log_samples, len(texts))):
             print(f"[sample] score={scores[i].item():g} truth={truths[i]} response={texts[i]!r}", flush=True)
         return metrics
+
+    def _print_profiles(self, step: int, groups: list[Any]) -> None:
+        """Stop every worker's profiler (each writes its files under <case>/profile/) and print its phase lines."""
+        for g in groups:
+            for rank, phases in enumerate(g.call("profile_stop", step)):
+                for p in phases:
+                    busy = p["gpu_busy_ms"] / p["wall_ms"] if p["wall_ms"] > 0 else 0.0
+                    print(f"[profile] step {step} {g.name} rank {rank} {p['phase']}: wall {p['wall_ms']:.1f} ms, "
+                          f"GPU busy {p['gpu_busy_ms']:.1f} ms ({busy:.0%}), {p['device_ops']} device ops",
+                          flush=True)
 
     def _batch_metrics(self, batch: dict, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor,
                        ret: torch.Tensor) -> dict[str, float]:

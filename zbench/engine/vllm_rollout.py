@@ -98,7 +98,8 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
-                 max_model_len: int, tied_embeddings: bool):
+                 max_model_len: int, tied_embeddings: bool, kv_cache_bytes: int | None = None,
+                 enforce_eager: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
         if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
@@ -109,7 +110,8 @@ class VLLMRollout:
         self.tied_embeddings = tied_embeddings
         self.version = installed_vllm()
         self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                       gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
+                       enforce_eager=enforce_eager, enable_sleep_mode=True,
                        max_model_len=max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
                        **parallel_args(tensor_parallel_size))
@@ -186,11 +188,39 @@ def parallel_args(tensor_parallel_size: int) -> dict[str, Any]:
             "disable_custom_all_reduce": True}
 
 
+KV_BLOCK_TOKENS = 16  # vLLM's default block size on CUDA: a sequence holds whole blocks
+
+
+def kv_bytes_per_token(model_config: Any, tensor_parallel_size: int, dtype_bytes: int = 2) -> int:
+    """Bytes of KV cache one token takes on one GPU of an engine: keys and values of every layer, for the
+    key/value heads this GPU holds (heads are split over the TP group, or replicated when there are fewer)."""
+    heads = model_config.num_key_value_heads or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return 2 * model_config.num_hidden_layers * -(-heads // tensor_parallel_size) * head_dim * dtype_bytes
+
+
+def fitted_kv_cache_bytes(model_config: Any, sequences: int, max_model_len: int, tensor_parallel_size: int) -> int:
+    """A KV cache that holds `sequences` sequences of `max_model_len` tokens at once (whole blocks each), with 5%
+    to spare: one rollout never waits for cache, and no more memory is taken than it can use."""
+    blocks = sequences * -(-max_model_len // KV_BLOCK_TOKENS)
+    return int(blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(model_config, tensor_parallel_size) * 1.05)
+
+
 def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool) -> VLLMRollout:
     """A VLLMRollout for a case config on one rank."""
     r = cfg.rollout
+    max_model_len = cfg.data.max_prompt_length + r.max_new_tokens
+    kv_cache_bytes = None
+    if r.kv_cache_fit:
+        from transformers import AutoConfig
+
+        engines = cfg.trainer.world_size // r.tensor_parallel_size
+        sequences = -(-cfg.trainer.train_batch_size * r.n // engines)  # one engine's share of a rollout
+        kv_cache_bytes = fitted_kv_cache_bytes(AutoConfig.from_pretrained(model_path), sequences, max_model_len,
+                                               r.tensor_parallel_size)
     return VLLMRollout(model_path, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                        temperature=r.temperature, top_p=r.top_p, gpu_memory_utilization=r.gpu_memory_utilization,
                        tensor_parallel_size=r.tensor_parallel_size,
                        seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
-                       max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, tied_embeddings=tied_embeddings)
+                       max_model_len=max_model_len, tied_embeddings=tied_embeddings, kv_cache_bytes=kv_cache_bytes,
+                       enforce_eager=r.enforce_eager)

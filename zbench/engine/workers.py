@@ -8,6 +8,8 @@ picked by its rank-0 worker, so the actor and critic groups, and concurrent case
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -22,6 +24,7 @@ import torch
 
 from zbench.config import RunConfig, effective_offload, from_dict
 from zbench.engine import algos
+from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.stacks import enable_stack_dumps
 
@@ -61,6 +64,17 @@ def forward_batches(batch: Batch, size: int) -> list[Batch]:
     return [trim_left_padding(mb) for mb in micro_batches(batch, size)]
 
 
+def phase(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Label a worker method as phase `name` in a step profile (`trainer.profile_step`)."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def labelled(self: _Worker, *args: Any, **kwargs: Any) -> Any:
+            with self.profiler.phase(name):
+                return method(self, *args, **kwargs)
+        return labelled
+    return wrap
+
+
 def special_ids(model_path: str) -> tuple[int, list[int]]:
     """Padding id and every id that ends a response (the tokenizer's EOS and the generation config's)."""
     from transformers import AutoTokenizer, GenerationConfig
@@ -96,6 +110,17 @@ class _Worker:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
         torch.manual_seed(self.cfg.seed)
         self.device_peak_gb = 0.0
+        self.profiler = StepProfiler(self.on_cuda)
+
+    def profile_start(self) -> None:
+        """Start profiling this worker (the step named by `trainer.profile_step`)."""
+        self.profiler.start()
+
+    def profile_stop(self, step: int) -> list[dict[str, Any]]:
+        """Stop profiling; write `<case>/profile/step<K>-<role>-rank<R>.{txt,json.gz}`; return the phase lines."""
+        stem = f"step{step}-{self.role}-rank{self.rank}"
+        title = f"{self.case_dir.name}: step {step}, {self.role} worker, rank {self.rank} of {self.world_size}"
+        return [dataclasses.asdict(p) for p in self.profiler.stop(self.case_dir / "profile", stem, title)]
 
     def sample_device_memory(self, extra_gb: float = 0.0) -> None:
         """Note the memory in use on this GPU by every process (what nvidia-smi shows), for `memory()`.
@@ -289,6 +314,7 @@ class PolicyWorker(_Worker):
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica)
 
+    @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:
         """Sample responses for this rank's prompts (already repeated n times), seeded by (seed, step, rank); the
         ranks of one vLLM tensor-parallel group share their prompts and their seed."""
@@ -320,15 +346,18 @@ class PolicyWorker(_Worker):
             outs.append(self._logprobs(model, mb)[0].cpu())
         return {key: torch.cat(outs)}
 
+    @phase("old_log_prob")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the sampled responses under the current actor (the PPO `old` policy)."""
         self.engine.eval()
         return self._score(self.engine, batch, "old_log_probs")
 
+    @phase("ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs under the frozen reference."""
         return self._score(self.ref, batch, "ref_log_probs")
 
+    @phase("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch."""
         a = self.cfg.actor
@@ -353,6 +382,7 @@ class PolicyWorker(_Worker):
 
         return self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
 
+    @phase("update_weights")
     @torch.no_grad()
     def sync_weights(self) -> dict[str, float]:
         """Copy the trained weights into the rollout replica (ZeRO-3: gathered bucket by bucket)."""
@@ -392,6 +422,7 @@ class CriticWorker(_Worker):
                           position_ids=mb["position_ids"], use_cache=False)
         return out.logits[:, -width - 1 : -1, 0].float() * mb["response_mask"]
 
+    @phase("values")
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
@@ -399,6 +430,7 @@ class CriticWorker(_Worker):
         outs = [self._values(mb).cpu() for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.critic))]
         return {"values": torch.cat(outs)}
 
+    @phase("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
         c = self.cfg.critic
