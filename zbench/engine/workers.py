@@ -120,7 +120,12 @@ class _Worker:
         """Stop profiling; write `<case>/profile/step<K>-<role>-rank<R>.{txt,json.gz}`; return the phase lines."""
         stem = f"step{step}-{self.role}-rank{self.rank}"
         title = f"{self.case_dir.name}: step {step}, {self.role} worker, rank {self.rank} of {self.world_size}"
-        return [dataclasses.asdict(p) for p in self.profiler.stop(self.case_dir / "profile", stem, title)]
+        try:
+            phases = self.profiler.stop(self.case_dir / "profile", stem, title)
+        except Exception as err:  # a profile that cannot be written must not fail the case it measures
+            print(f"[profile] {stem}: no profile written: {type(err).__name__}: {err}", flush=True)
+            return []
+        return [dataclasses.asdict(p) for p in phases]
 
     def sample_device_memory(self, extra_gb: float = 0.0) -> None:
         """Note the memory in use on this GPU by every process (what nvidia-smi shows), for `memory()`.
