@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -115,12 +116,19 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", *sys.argv[1:]], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
+    def stop(signum: int, _frame: object) -> None:  # stopped from outside (timeout): take the ranks down too
+        for p in procs:
+            p.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     deadline = time.monotonic() + 20 * args.hang_s
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
     reached = []
     for rank, log in enumerate(logs):
         log.close()
