@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from zbench.config import EXPERIMENTAL_TP_ENV, ConfigError, dump_yaml, from_dict
+from zbench.config import ConfigError, dump_yaml, from_dict
 from zbench.engine.rollout import size_buckets
 from zbench.engine.trainer import gather, rollout_outputs, rollout_shards, shard
 from zbench.engine.vllm_rollout import (
@@ -136,25 +136,19 @@ def test_tensor_parallel_groups_share_their_prompts() -> None:
     assert torch.equal(rollout_outputs(plain, tp=1)["input_ids"], gather(shard(batch, 4))["input_ids"])
 
 
-def test_tensor_parallel_engine_arguments_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_parallel_engine_arguments_and_config() -> None:
     assert parallel_args(1) == {"tensor_parallel_size": 1}
     tp2 = parallel_args(2)
     assert tp2["distributed_executor_backend"] == "external_launcher" and tp2["disable_custom_all_reduce"] is True
     assert tp2["tensor_parallel_size"] == 2
     four = {"trainer": {"world_size": 4}, "actor": {"micro_batch_size_per_gpu": 2},
             "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"tensor_parallel_size": 2}}
-    monkeypatch.delenv(EXPERIMENTAL_TP_ENV, raising=False)
-    with pytest.raises(ConfigError, match=rf"rollout.tensor_parallel_size: 2: .* not supported yet; use 1 .*"
-                                          rf"set {EXPERIMENTAL_TP_ENV}=1 to try it"):
-        from_dict(four)
-    monkeypatch.setenv(EXPERIMENTAL_TP_ENV, "1")
     assert from_dict(four).rollout.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 3 does not divide trainer.world_size=2"):
         from_dict({"trainer": {"world_size": 2}, "rollout": {"tensor_parallel_size": 3}})
 
 
-def test_engine_refuses_tensor_parallel_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(EXPERIMENTAL_TP_ENV, "1")
+def test_engine_refuses_tensor_parallel_hf(tmp_path: Path) -> None:
     case = tmp_path / "case"
     case.mkdir()
     cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2}}
@@ -165,24 +159,23 @@ def test_engine_refuses_tensor_parallel_hf(tmp_path: Path, monkeypatch: pytest.M
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.xfail(
-    reason="hung at vLLM engine start in its first GPU run (vLLM 0.26, 2 × H200)", strict=False))])
-def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     """Two GRPO steps with the vLLM backend on the GPUs (one engine per rank, or one per pair of ranks); rollout
-    and actor log-probs agree closely."""
+    and actor log-probs agree closely. TP 2 runs the Qwen3-0.6B shape: vLLM 0.26 cannot shard the 64-wide tiny
+    model over two GPUs (a kernel launch fails, or warm-up hangs, in `benchmarks/vllm_tp_probe.py` too)."""
     pytest.importorskip("vllm")
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPU(s)")
-    monkeypatch.setenv(EXPERIMENTAL_TP_ENV, "1")
     case = tmp_path / "vllm"
     case.mkdir()
-    cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2,
+    cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2, "model": {"path": "tiny" if tp == 1 else "qwen3-0.6b"},
            "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp},
            "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": torch.cuda.device_count()},
            "zero": {"stage": 2}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
     res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True,
-                         timeout=600 if tp == 1 else 300)
+                         timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     result = json.loads((case / "result.json").read_text())
     assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]

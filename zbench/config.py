@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import types
 import typing
 from collections.abc import Mapping
@@ -57,6 +56,7 @@ class ModelConfig:
     path: str = "tiny"  # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights) or a local HF dir
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
+    sdpa_cudnn: bool = False  # CUDA: let training's attention use cuDNN (builds a plan per new shape; RL shapes vary)
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
@@ -278,8 +278,6 @@ class TrainerConfig:
 
 
 ALGORITHMS = ("ppo", "grpo")
-# rollout.tensor_parallel_size > 1 is refused unless this is "1": its first GPU run hung at engine start
-EXPERIMENTAL_TP_ENV = "ZBENCH_EXPERIMENTAL_VLLM_TP"
 
 
 @dataclass(**_FROZEN)
@@ -307,11 +305,6 @@ class RunConfig:
             raise ConfigError("rollout.n", f"GRPO compares samples within a group: needs n >= 2, got {self.rollout.n}")
         self.batch_plan()  # raises on batch sizes that do not divide over the ranks
         tp, dp = self.rollout.tensor_parallel_size, self.trainer.world_size
-        if tp > 1 and os.environ.get(EXPERIMENTAL_TP_ENV) != "1":
-            raise ConfigError("rollout.tensor_parallel_size",
-                              f"{tp}: vLLM tensor parallelism inside the training ranks hung while its engines "
-                              f"started (vLLM 0.26, 2 GPUs) and is not supported yet; use 1 (one engine per "
-                              f"rank), or set {EXPERIMENTAL_TP_ENV}=1 to try it")
         if dp % tp:
             raise ConfigError("rollout.tensor_parallel_size",
                               f"{tp} does not divide trainer.world_size={dp}: every vLLM engine spans "

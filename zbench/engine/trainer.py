@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import EXPERIMENTAL_TP_ENV, ConfigError, RunConfig, effective_offload, load_case_config
+from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
 from zbench.engine import algos
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
@@ -174,8 +174,6 @@ class Trainer:
         # the critic of a rank never compute at the same time), which CPU Adam needs when offloading
         threads = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count())) if self.on_cuda else t.torch_threads
         env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
-        if os.environ.get(EXPERIMENTAL_TP_ENV):  # workers validate the config again, maybe on other nodes
-            env[EXPERIMENTAL_TP_ENV] = os.environ[EXPERIMENTAL_TP_ENV]
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
         from zbench.config import to_dict

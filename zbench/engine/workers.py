@@ -111,6 +111,14 @@ class _Worker:
         torch.manual_seed(self.cfg.seed)
         self.device_peak_gb = 0.0
         self.profiler = StepProfiler(self.on_cuda)
+        self.choose_attention_kernels()
+
+    def choose_attention_kernels(self) -> None:
+        """PyTorch's cuDNN attention builds an execution plan for every new shape, milliseconds of host time per
+        layer and pass, and an RL micro-batch's length changes every time; off unless `model.sdpa_cudnn`. vLLM
+        turns it off when imported, so the policy worker applies this again after building its engine."""
+        if self.on_cuda:
+            torch.backends.cuda.enable_cudnn_sdp(self.cfg.model.sdpa_cudnn)
 
     def profile_start(self) -> None:
         """Start profiling this worker (the step named by `trainer.profile_step`)."""
@@ -193,12 +201,15 @@ class _Worker:
         return engine
 
     def _train(self, batch: Batch, micro: int,
-               loss_fn: Callable[[Batch, dict[str, list[float]]], torch.Tensor]) -> dict[str, float]:
+               loss_fn: Callable[[Batch, dict[str, list[torch.Tensor]]], torch.Tensor]) -> dict[str, float]:
         """ppo_epochs passes over this rank's batch in mini-batches (one optimizer step each, DeepSpeed
-        accumulating the micro-batches); returns the mean of every recorded statistic, grad norm and lr."""
+        accumulating the micro-batches); returns the mean of every recorded statistic, grad norm and lr.
+
+        Statistics stay on the device until the end: a `.item()` per micro-batch would make the host wait for
+        the GPU each time, so it could never queue the next micro-batch's kernels while the last ones run."""
         plan = self.cfg.batch_plan()
         self.engine.train()
-        stats: dict[str, list[float]] = defaultdict(list)
+        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         batch = self._to_device(batch)
         for _ in range(self.cfg.actor.ppo_epochs):
             for mini_batch in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
@@ -207,8 +218,8 @@ class _Worker:
                     self.engine.step()
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
-                    stats[f"{self.role}/grad_norm"].append(float(norm))
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
+                    stats[f"{self.role}/grad_norm"].append(torch.as_tensor(norm, dtype=torch.float32))
+        out = {k: float(torch.stack([t.detach().float().cpu() for t in v]).mean()) for k, v in stats.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0]
         self.sample_device_memory()
         return out
@@ -269,11 +280,13 @@ class PolicyWorker(_Worker):
         self.ref = self._build_ref() if cfg.needs_reference else None
         pad_id, eos_ids = special_ids(self.model_path)
         self.rollout = self._build_rollout(pad_id, eos_ids)
+        self.choose_attention_kernels()
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "cpu_threads": torch.get_num_threads(),
+                "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()),
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
@@ -346,10 +359,9 @@ class PolicyWorker(_Worker):
 
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
-        outs = []
-        for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.actor)):
-            outs.append(self._logprobs(model, mb)[0].cpu())
-        return {key: torch.cat(outs)}
+        outs = [self._logprobs(model, mb)[0] for mb in forward_batches(self._to_device(batch),
+                                                                           forward_micro(self.cfg.actor))]
+        return {key: torch.cat(outs).cpu()}  # one copy to the host: no wait for the GPU between micro-batches
 
     @phase("old_log_prob")
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -367,7 +379,7 @@ class PolicyWorker(_Worker):
         """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch."""
         a = self.cfg.actor
 
-        def loss_fn(mb: Batch, stats: dict[str, list[float]]) -> torch.Tensor:
+        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]]) -> torch.Tensor:
             mask = mb["response_mask"]
             logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
             pg_loss, clipfrac, ppo_kl = algos.policy_loss(
@@ -378,11 +390,11 @@ class PolicyWorker(_Worker):
             if a.use_kl_loss:
                 kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask)
                 loss = loss + a.kl_loss_coef * kl
-                stats["actor/kl_loss"].append(kl.item())
-            stats["actor/pg_loss"].append(pg_loss.item())
-            stats["actor/pg_clipfrac"].append(clipfrac.item())
-            stats["actor/ppo_kl"].append(ppo_kl.item())
-            stats["actor/entropy"].append(entropy.item())
+                stats["actor/kl_loss"].append(kl.detach())
+            stats["actor/pg_loss"].append(pg_loss.detach())
+            stats["actor/pg_clipfrac"].append(clipfrac.detach())
+            stats["actor/ppo_kl"].append(ppo_kl.detach())
+            stats["actor/entropy"].append(entropy.detach())
             return loss
 
         return self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
@@ -432,19 +444,19 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
         self.engine.eval()
-        outs = [self._values(mb).cpu() for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.critic))]
-        return {"values": torch.cat(outs)}
+        outs = [self._values(mb) for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.critic))]
+        return {"values": torch.cat(outs).cpu()}  # one copy to the host, as in the actor's passes
 
     @phase("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
         c = self.cfg.critic
 
-        def loss_fn(mb: Batch, stats: dict[str, list[float]]) -> torch.Tensor:
+        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]]) -> torch.Tensor:
             vf_loss, clipfrac = algos.value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
                                                  c.cliprange_value)
-            stats["critic/vf_loss"].append(vf_loss.item())
-            stats["critic/vf_clipfrac"].append(clipfrac.item())
+            stats["critic/vf_loss"].append(vf_loss.detach())
+            stats["critic/vf_clipfrac"].append(clipfrac.detach())
             return vf_loss
 
         return self._train(batch, c.micro_batch_size_per_gpu, loss_fn)
