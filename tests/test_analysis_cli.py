@@ -123,6 +123,21 @@ def test_report_without_completed_case(tmp_path):
     assert r.exit_code == 2 and "no completed case (zero0=failed)" in r.output
 
 
+def test_report_with_a_case_interrupted_before_its_first_step(tmp_path):
+    """A matrix stopped while its second case started: the summary (as the harness writes it) leaves that case's
+    step count empty, and the report shows it as 0 steps beside the completed one."""
+    from zbench.store import RunRoot
+
+    root = make_run_root(tmp_path, (FakeCase("zero1", 1), FakeCase("zero2", 2, status="interrupted", stop_step=0)),
+                         steps=4, device="cuda")
+    RunRoot.open(root).write_summary()
+    assert read_rows(root / "summary.tsv")[1]["steps_completed"] == ""
+    r = invoke("report", "--run-root", root)
+    assert r.exit_code == 0, r.output
+    md = (root / "report.md").read_text()
+    assert "| zero2 | interrupted | 0/4 |" in md and "| zero1 | completed | 4/4 |" in md
+
+
 def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     root = make_run_root(tmp_path, steps=6, device="cuda")
     floor = {"model": "qwen3-0.6b", "stage": 2, "offload": "none", "seqs": 128, "seq_len": 690, "micro": 8,

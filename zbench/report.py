@@ -60,6 +60,11 @@ def _fmt(x: float, digits: int = 3) -> str:
     return f"{x:,.0f}" if abs(x) >= 10**digits else f"{x:.{digits}g}"
 
 
+def _count(x: float) -> int:
+    """A step count from the summary; empty (a case that never recorded a step) is 0."""
+    return 0 if x is None or math.isnan(x) else int(x)
+
+
 def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
     """One row per case with its figures and ratios to the baseline case."""
     done = require_completed(run)
@@ -73,7 +78,7 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
         mem, base_mem = c.value(mem_col), base.value(mem_col)
         rows.append({
             "case": c.name, "status": c.status,
-            "steps": f"{int(c.value('steps_completed') or 0)}/{int(c.value('steps_target') or 0)}",
+            "steps": f"{_count(c.value('steps_completed'))}/{_count(c.value('steps_target'))}",
             "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
             f"peak {'GPU' if gpu else 'CPU'} memory (GB)": mem,
             "final score": c.value("score_last"), "best score": c.value("score_max"),
