@@ -102,6 +102,8 @@ def main() -> None:
         _rank_main(args)
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]
+    if len(visible) < 2:
+        sys.exit(f"needs two GPUs; CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} lists one")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -96,3 +96,13 @@ def test_report_means_leave_out_the_profiled_step() -> None:
     assert list(steady_steps(m, 2).index) == [2, 4]
     assert list(steady_steps(m.drop(columns="perf/profiled"), 2).index) == [2, 3, 4]
     assert list(steady_steps(m.loc[[3]], 2).index) == [3]  # only the profiled step: kept
+
+
+def test_profile_step_past_the_last_step_is_refused() -> None:
+    import pytest
+
+    from zbench.config import ConfigError, from_dict
+
+    assert from_dict({"steps": 4, "trainer": {"profile_step": 4}}).trainer.profile_step == 4
+    with pytest.raises(ConfigError, match=r"trainer.profile_step: 5 is past the last step \(4\); choose 1..4, or 0"):
+        from_dict({"steps": 4, "trainer": {"profile_step": 5}})

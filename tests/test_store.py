@@ -145,10 +145,12 @@ def test_step_means_leave_out_a_profiled_step(tmp_path: Path) -> None:
     write_case(root.path / "zero3", "grpo")
     path = root.path / "zero3" / "metrics.jsonl"
     recs = [json.loads(line) for line in path.read_text().splitlines()]
-    recs[2].update({"timing_s/step": 40.0, "perf/throughput": 0.5, "perf/profiled": 1.0})  # step 3, slowed
+    recs[2].update({"timing_s/step": 40.0, "perf/throughput": 0.5, "perf/profiled": 1.0,  # step 3, slowed
+                    "perf/cpu_memory_used_gb": 99.0})  # and holding the profiler's buffers
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     _, row = root.summary_rows()
     assert row["step_time_mean_s"] == "2" and row["throughput_mean"] == "10"  # step 2 alone
+    assert row["cpu_memory_used_gb"] == "3" and row["score_max"] == "0.5"  # peak of steps 1-2; scores all count
     recs = [{**r, "perf/profiled": 1.0} for r in recs[:1]]  # the only step was profiled: it still counts
     path.write_text(json.dumps(recs[0]) + "\n")
     _, row = root.summary_rows()

@@ -87,14 +87,15 @@ def test_size_buckets_cover_every_parameter_once() -> None:
 
 def test_kv_cache_fitted_to_one_rollout() -> None:
     """Qwen3-0.6B: 28 layers x 8 KV heads x 128 dims, keys and values in bf16 = 112 KiB per token per GPU (half
-    under TP 2); a rollout of 128 sequences of 1024 tokens takes 14 GiB, plus 5%."""
+    under TP 2); a rollout of 128 sequences of 1024 tokens takes 14 GiB, plus the block vLLM's pool keeps, plus 5%."""
     from zbench.engine.models import qwen3_06b_config
 
     cfg = qwen3_06b_config()
     assert kv_bytes_per_token(cfg, 1) == 2 * 28 * 8 * 128 * 2 == 114_688
     assert kv_bytes_per_token(cfg, 2) == 57_344
     assert kv_bytes_per_token(cfg, 16) == kv_bytes_per_token(cfg, 8)  # 8 KV heads: replicated beyond TP 8
-    assert fitted_kv_cache_bytes(cfg, 128, 1024, 1) == int(128 * 1024 * 114_688 * 1.05)
+    assert fitted_kv_cache_bytes(cfg, 128, 1024, 1) == int((128 * 64 + 1) * 16 * 114_688 * 1.05)  # + vLLM's own block
+    assert fitted_kv_cache_bytes(cfg, 1, 256, 1) // (16 * 114_688) == 17  # one 256-token sequence: 16 blocks + 1
     # a length that is not a whole number of blocks takes whole blocks
     assert fitted_kv_cache_bytes(cfg, 1, 1000, 1) == fitted_kv_cache_bytes(cfg, 1, 1008, 1)
     assert fitted_kv_cache_bytes(cfg, 1, 1009, 1) > fitted_kv_cache_bytes(cfg, 1, 1008, 1)
@@ -142,8 +143,12 @@ def test_tensor_parallel_engine_arguments_and_config() -> None:
     assert tp2["distributed_executor_backend"] == "external_launcher" and tp2["disable_custom_all_reduce"] is True
     assert tp2["tensor_parallel_size"] == 2
     four = {"trainer": {"world_size": 4}, "actor": {"micro_batch_size_per_gpu": 2},
-            "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"tensor_parallel_size": 2}}
+            "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"tensor_parallel_size": 2},
+            "model": {"path": "qwen3-0.6b"}}
     assert from_dict(four).rollout.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 2: vLLM 0.26 cannot shard the 64-wide tiny "
+                                          r"model .*use 1, or a real model shape"):
+        from_dict({**four, "model": {"path": "tiny"}})
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 3 does not divide trainer.world_size=2"):
         from_dict({"trainer": {"world_size": 2}, "rollout": {"tensor_parallel_size": 3}})
 
@@ -151,7 +156,8 @@ def test_tensor_parallel_engine_arguments_and_config() -> None:
 def test_engine_refuses_tensor_parallel_hf(tmp_path: Path) -> None:
     case = tmp_path / "case"
     case.mkdir()
-    cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2}}
+    cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2},
+           "model": {"path": "qwen3-0.6b"}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
     res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2

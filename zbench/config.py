@@ -309,6 +309,13 @@ class RunConfig:
             raise ConfigError("rollout.tensor_parallel_size",
                               f"{tp} does not divide trainer.world_size={dp}: every vLLM engine spans "
                               f"tensor_parallel_size consecutive ranks; choose a divisor of {dp}")
+        if tp > 1 and self.model.path == "tiny":
+            raise ConfigError("rollout.tensor_parallel_size",
+                              f"{tp}: vLLM 0.26 cannot shard the 64-wide tiny model (on 2 GPUs its warm-up hangs "
+                              "or a kernel launch fails); use 1, or a real model shape (model.path=qwen3-0.6b)")
+        if self.trainer.profile_step > self.steps:
+            raise ConfigError("trainer.profile_step", f"{self.trainer.profile_step} is past the last step "
+                                                      f"({self.steps}); choose 1..{self.steps}, or 0 for none")
 
     @property
     def needs_reference(self) -> bool:

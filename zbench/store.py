@@ -265,8 +265,10 @@ def case_summary_row(
         steps_completed = records[-1]["step"]
     backend = result.get("rollout_backend") or _dig(config, "rollout.backend")
 
+    unprofiled = [r for r in records if not r.get("perf/profiled")] or records  # the profiler holds host memory
+
     def peak(key: str) -> float | None:
-        values = _series(records, key)
+        values = _series(unprofiled, key)
         return max(values) if values else None
 
     row: dict[str, Any] = {

@@ -4,14 +4,15 @@ the GPU was busy.
 When the trainer reaches that step, every worker starts `torch.profiler` and labels each phase it runs
 (`zbench/<phase>`, e.g. `zbench/update_critic`). After the step each worker writes, under `<case>/profile/`:
 
-- `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of its kernels and copies
-  inside the phase's window; how many were launched), then the operators that took the most time;
+- `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of the kernels and copies
+  running inside the phase's window; how many ran there), then the operators that took the most time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
 the CPU (Python, launches, optimizer steps on the host) or on synchronisation. Backward kernels are launched from
 autograd's own thread, so busy time is taken from the device timeline, not from the phase's call tree.
-Profiling slows the step it covers; the step is marked `perf/profiled` and step means leave it out.
+Profiling slows the step it covers, writing the files included (it counts against `--step-timeout`); the step
+is marked `perf/profiled`, and step means and peaks leave it out.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class PhaseProfile:
     phase: str
     wall_ms: float
     gpu_busy_ms: float
-    device_ops: int  # kernels, copies and sets launched on the device inside the phase's window
+    device_ops: int  # kernels, copies and sets running on the device during the phase's window (queued earlier too)
 
     @property
     def busy_share(self) -> float:
@@ -97,8 +98,9 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
-        self._prof = profile(activities=activities, record_shapes=False, with_stack=False)
-        self._prof.__enter__()
+        prof = profile(activities=activities, record_shapes=False, with_stack=False)
+        prof.__enter__()
+        self._prof = prof  # only once it runs: a failed start leaves nothing to stop
 
     def stop(self, out_dir: Path, stem: str, title: str) -> list[PhaseProfile]:
         """Stop profiling; write `<stem>.txt` and `<stem>.json.gz` into `out_dir`; return the phase lines."""

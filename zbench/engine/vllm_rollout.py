@@ -194,15 +194,16 @@ KV_BLOCK_TOKENS = 16  # vLLM's default block size on CUDA: a sequence holds whol
 def kv_bytes_per_token(model_config: Any, tensor_parallel_size: int, dtype_bytes: int = 2) -> int:
     """Bytes of KV cache one token takes on one GPU of an engine: keys and values of every layer, for the
     key/value heads this GPU holds (heads are split over the TP group, or replicated when there are fewer)."""
-    heads = model_config.num_key_value_heads or model_config.num_attention_heads
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     return 2 * model_config.num_hidden_layers * -(-heads // tensor_parallel_size) * head_dim * dtype_bytes
 
 
 def fitted_kv_cache_bytes(model_config: Any, sequences: int, max_model_len: int, tensor_parallel_size: int) -> int:
-    """A KV cache that holds `sequences` sequences of `max_model_len` tokens at once (whole blocks each), with 5%
-    to spare: one rollout never waits for cache, and no more memory is taken than it can use."""
-    blocks = sequences * -(-max_model_len // KV_BLOCK_TOKENS)
+    """A KV cache that holds `sequences` sequences of `max_model_len` tokens at once (whole blocks each, and the
+    one block vLLM's pool keeps for itself), with 5% to spare: one rollout never waits for cache, and no more
+    memory is taken than it can use."""
+    blocks = sequences * -(-max_model_len // KV_BLOCK_TOKENS) + 1
     return int(blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(model_config, tensor_parallel_size) * 1.05)
 
 

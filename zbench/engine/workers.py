@@ -121,8 +121,13 @@ class _Worker:
             torch.backends.cuda.enable_cudnn_sdp(self.cfg.model.sdpa_cudnn)
 
     def profile_start(self) -> None:
-        """Start profiling this worker (the step named by `trainer.profile_step`)."""
-        self.profiler.start()
+        """Start profiling this worker (the step named by `trainer.profile_step`); a profiler that cannot start
+        leaves the step unprofiled, not failed."""
+        try:
+            self.profiler.start()
+        except Exception as err:
+            print(f"[profile] {self.role} rank {self.rank}: profiler did not start: {type(err).__name__}: {err}",
+                  flush=True)
 
     def profile_stop(self, step: int) -> list[dict[str, Any]]:
         """Stop profiling; write `<case>/profile/step<K>-<role>-rank<R>.{txt,json.gz}`; return the phase lines."""
