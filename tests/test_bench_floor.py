@@ -52,3 +52,46 @@ def test_a_bad_combination_is_refused_before_anything_starts():
     r = _floor("--head", "policy")
     assert r.returncode == 2 and "head='policy': expected one of lm, value" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_floors_like_a_run_root(tmp_path):
+    """`--like`: the floors of a run's cases, shaped from their configs and metrics, appended to the run root's
+    floors.jsonl (what `zbench report` reads); a case that never recorded a step is left out with a warning."""
+    from zbench.config import dump_yaml, from_dict
+
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "manifest.json").write_text("{}")
+    cases = {"zero1_no_offload": ("ppo", 1, "none", [30.0, 20.0, 22.0]),  # PPO: actor and critic floors
+             "zero3_cpu_offload": ("grpo", 3, "cpu", [26.0, 18.0]),
+             "zero2_no_offload": ("ppo", 2, "none", [])}  # stopped before its first step
+    for name, (algorithm, stage, offload, responses) in cases.items():
+        cdir = root / name
+        cdir.mkdir()
+        cfg = {"name": name, "algorithm": algorithm, "zero": {"stage": stage, "offload": offload},
+               "trainer": {"world_size": 1, "train_batch_size": 4}, "actor": {"ppo_mini_batch_size": 4,
+               "micro_batch_size_per_gpu": 2}, "critic": {"micro_batch_size_per_gpu": 4},
+               "rollout": {"n": 2 if algorithm == "grpo" else 1}}
+        (cdir / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
+        (cdir / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "prompt_length/mean": 10.0, "response_length/mean": r}) + "\n"
+            for i, r in enumerate(responses)))
+    (root / "floors.jsonl").write_text(json.dumps({"stage": 2, "offload": "none", "seqs": 1, "seq_len": 1,
+                                                   "tokens_per_s_per_gpu": 1.0}) + "\n")  # kept, appended to
+    r = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(root), "--steps", "1",
+                        "--warmup", "0"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning: zero2_no_offload: left out: no step recorded" in r.stderr
+    printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    saved = [json.loads(line) for line in (root / "floors.jsonl").read_text().splitlines()]
+    assert saved[1:] == printed and saved[0]["seq_len"] == 1
+    shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"]) for x in printed]
+    # sequences per rank per optimizer step: 4 prompts x n; mean length of steps 2.. (prompt 10 + response)
+    assert sorted(shapes) == sorted([(1, "none", "lm", 4, 31, 2), (1, "none", "value", 4, 31, 4),
+                                     (3, "cpu", "lm", 8, 28, 2)])
+    clash = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(root), "--stage", "2"],
+                           capture_output=True, text=True, timeout=300)
+    assert clash.returncode == 2 and "--like takes the shape of every floor from the run root; drop --stage" in clash.stderr
+    nothing = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(tmp_path)],
+                             capture_output=True, text=True, timeout=300)
+    assert nothing.returncode == 2 and "not a run root (no manifest.json)" in nothing.stderr

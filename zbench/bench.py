@@ -3,6 +3,7 @@ an RL step trains on, and bare Hugging Face `generate`.
 
     zbench bench floor --model qwen3-0.6b --stage 1 --stage 2 --stage 3 --offload none --offload cpu \
         --seqs 32 --seq-len 612 --micro 8 --world-size 2
+    zbench bench floor --like results/<run root>     # the floors of that run's cases, into <run root>/floors.jsonl
     zbench bench gen --model qwen3-0.6b --prompts 64 --new-tokens 512 --decode graph
 
 `floor` spawns one process per rank (NCCL on CUDA, gloo on CPU), builds a DeepSpeed engine exactly as the
@@ -213,6 +214,47 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
             raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
                              f"{spec.offload}, head {spec.head}) failed: {last}", finished) from err
         return done()
+
+
+def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec], list[str]]:
+    """The floors a run's training phases are set against, read from its cases: model, ranks, ZeRO stage and
+    offload, training micro-batch, sequences per rank per optimizer step, and the mean sequence length the case
+    trained on (prompt + response, steps 2.. of its metrics); the value head too for PPO's critic. Each distinct
+    floor once. Also returns a note for every case left out (no config, or no step recorded)."""
+    from zbench.config import ConfigError, load_case_config
+    from zbench.runread import read_metrics
+
+    run_root = Path(run_root)
+    if not (run_root / "manifest.json").is_file():
+        raise ValueError(f"--like {run_root}: not a run root (no manifest.json)")
+    specs: list[FloorSpec] = []
+    notes: list[str] = []
+    for cdir in sorted(p for p in run_root.iterdir() if (p / "config.yaml").is_file()):
+        try:
+            cfg = load_case_config(cdir / "config.yaml")
+        except ConfigError as err:
+            notes.append(f"{cdir.name}: left out: {err}")
+            continue
+        m = read_metrics(cdir / "metrics.jsonl")
+        if "prompt_length/mean" not in m.columns or "response_length/mean" not in m.columns:
+            notes.append(f"{cdir.name}: left out: no step recorded")
+            continue
+        m = m[m.index >= 2] if (m.index >= 2).any() else m
+        seq_len = round(float((m["prompt_length/mean"] + m["response_length/mean"]).mean()))
+        world = cfg.trainer.world_size
+        seqs = cfg.batch_plan().mini_batch_sequences // world
+        heads = [("lm", cfg.actor.micro_batch_size_per_gpu)]
+        if cfg.algorithm == "ppo":
+            heads.append(("value", cfg.critic.micro_batch_size_per_gpu))
+        for head, micro in heads:
+            spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
+                             seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
+                             gradient_checkpointing=cfg.model.gradient_checkpointing, head=head)
+            if spec not in specs:
+                specs.append(spec)
+    if not specs:
+        raise ValueError(f"--like {run_root}: no case with a recorded step" + "".join(f"; {n}" for n in notes))
+    return specs, notes
 
 
 DECODES = ("generate", "static", "graph")

@@ -239,37 +239,70 @@ def model(
 
 @bench_app.command("floor")
 def bench_floor(
-    model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
-    stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several.")] = None,
+    model: Annotated[str | None, typer.Option(help="tiny, qwen3-0.6b, or a local model directory [tiny].")] = None,
+    stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several [2].")] = None,
     offload: Annotated[list[str] | None, typer.Option(
-        help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload).")] = None,
-    seqs: Annotated[int, typer.Option(help="Sequences per rank per optimizer step.")] = 32,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 612,
-    micro: Annotated[int, typer.Option(help="Micro-batch per rank.")] = 8,
-    world_size: Annotated[int, typer.Option(help="Ranks (GPUs).")] = 1,
+        help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload) [none].")] = None,
+    seqs: Annotated[int | None, typer.Option(help="Sequences per rank per optimizer step [32].")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [612].")] = None,
+    micro: Annotated[int | None, typer.Option(help="Micro-batch per rank [8].")] = None,
+    world_size: Annotated[int | None, typer.Option(help="Ranks (GPUs) [1].")] = None,
     steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
     head: Annotated[list[str] | None, typer.Option(
-        help="lm (the actor's causal LM) or value (the critic's token head); repeat to measure both.")] = None,
+        help="lm (the actor's causal LM) or value (the critic's token head); repeat to measure both [lm].")] = None,
+    like: Annotated[Path | None, typer.Option(
+        help="A run root: measure the floors of its cases (model, ranks, stage, offload, micro-batch, sequences "
+             "per rank and their mean length, both heads for PPO) on this machine, and append them to its "
+             "floors.jsonl, which `zbench report` reads.")] = None,
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per head,
     stage and offload, measured one after another in the same processes."""
-    from zbench.bench import FloorError, FloorSpec, floors
+    from zbench.bench import FloorError, FloorSpec, floors, specs_like
 
+    out = None
     try:
-        specs = [FloorSpec(model=model, stage=st, offload=off, seqs=seqs, seq_len=seq_len, micro=micro,
-                           world_size=world_size, steps=steps, warmup=warmup,
-                           gradient_checkpointing=gradient_checkpointing, head=hd)
-                 for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
-        for result in floors(specs):
-            print(json.dumps(result))
+        if like is not None:
+            given = {"--model": model, "--stage": stage, "--offload": offload, "--seqs": seqs, "--seq-len": seq_len,
+                     "--micro": micro, "--world-size": world_size, "--head": head}
+            clash = [name for name, value in given.items() if value is not None]
+            clash += ["--gradient-checkpointing"] if gradient_checkpointing else []
+            if clash:
+                fail(f"--like takes the shape of every floor from the run root; drop {', '.join(clash)}")
+            specs, notes = specs_like(like, steps, warmup)
+            for note in notes:
+                err_console.print(f"warning: {note}", markup=False, highlight=False)
+            out = like / "floors.jsonl"
+        else:
+            specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=seqs or 32, seq_len=seq_len or 612,
+                               micro=micro or 8, world_size=world_size or 1, steps=steps, warmup=warmup,
+                               gradient_checkpointing=gradient_checkpointing, head=hd)
+                     for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
+        groups: dict[tuple[str, int], list[FloorSpec]] = {}
+        for spec in specs:  # floors measured together share the model and the ranks
+            groups.setdefault((spec.model, spec.world_size), []).append(spec)
+        for group in groups.values():
+            try:
+                results = floors(group)
+            except FloorError as err:
+                results = err.done  # what finished before the failure is still printed and kept
+                _emit(results, out)
+                raise
+            _emit(results, out)
     except FloorError as err:
-        for result in err.done:  # what finished before the failure is still printed
-            print(json.dumps(result))
         fail(str(err))
     except (ValueError, ConfigError) as err:
         fail(str(err))
+
+
+def _emit(results: list[dict], out: Path | None) -> None:
+    """Print floor records, and append them to `out` when given."""
+    for result in results:
+        print(json.dumps(result))
+    if out is not None and results:
+        with out.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in results))
 
 
 @bench_app.command("gen")
