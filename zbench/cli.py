@@ -286,12 +286,9 @@ def bench_floor(
             try:
                 results = floors(group)
             except FloorError as err:
-                results = err.done  # what finished before the failure is still printed and kept
-                _emit(results, out)
-                raise
+                _emit(err.done, out)  # what finished before the failure is still printed and kept
+                fail(str(err))
             _emit(results, out)
-    except FloorError as err:
-        fail(str(err))
     except (ValueError, ConfigError) as err:
         fail(str(err))
 

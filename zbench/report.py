@@ -62,7 +62,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 def _count(x: float) -> int:
     """A step count from the summary; empty (a case that never recorded a step) is 0."""
-    return 0 if x is None or math.isnan(x) else int(x)
+    return 0 if math.isnan(x) else int(x)
 
 
 def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:

@@ -215,8 +215,7 @@ def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int,
     if r.kv_cache_fit:
         from transformers import AutoConfig
 
-        engines = cfg.trainer.world_size // r.tensor_parallel_size
-        sequences = -(-cfg.trainer.train_batch_size * r.n // engines)  # one engine's share of a rollout
+        sequences = cfg.batch_plan().sequences_per_rank * r.tensor_parallel_size  # one engine's share of a rollout
         kv_cache_bytes = fitted_kv_cache_bytes(AutoConfig.from_pretrained(model_path), sequences, max_model_len,
                                                r.tensor_parallel_size)
     return VLLMRollout(model_path, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,

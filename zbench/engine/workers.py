@@ -138,7 +138,7 @@ class _Worker:
         except Exception as err:  # a profile that cannot be written must not fail the case it measures
             print(f"[profile] {stem}: no profile written: {type(err).__name__}: {err}", flush=True)
             return []
-        return [dataclasses.asdict(p) for p in phases]
+        return [{**dataclasses.asdict(p), "busy_share": p.busy_share} for p in phases]
 
     def sample_device_memory(self, extra_gb: float = 0.0) -> None:
         """Note the memory in use on this GPU by every process (what nvidia-smi shows), for `memory()`.
