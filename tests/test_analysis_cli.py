@@ -181,6 +181,12 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
         floor, {**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0}, {**floor, "stage": 3})))
     assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
     assert "no value-head floor was measured" in (root / "report.md").read_text()
+    # a floor run with the case's own model code wins over a later one with the other: these configs predate
+    # `model.fused_ops`, so their cases ran Hugging Face's own modules
+    floors.write_text("".join(json.dumps(f) + "\n" for f in (
+        {**floor, "fused_ops": False, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": True})))
+    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

@@ -57,6 +57,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
     sdpa_cudnn: bool = False  # CUDA: let training's attention use cuDNN (builds a plan per new shape; RL shapes vary)
+    fused_ops: bool = True  # training models: RMSNorm and SwiGLU keep less for backward (zbench.engine.fused)
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))

@@ -121,7 +121,7 @@ def read_floors(path: Path, warnings: list[str]) -> list[dict]:
             try:
                 floor = json.loads(line)
                 floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len", "tokens_per_s_per_gpu")},
-                               "head": floor.get("head", "lm")})
+                               "head": floor.get("head", "lm"), "fused_ops": bool(floor.get("fused_ops", False))})
             except (json.JSONDecodeError, KeyError, TypeError):
                 if line.strip():
                     warnings.append(f"{path}:{n}: not a `zbench bench floor` record; skipped")
@@ -148,8 +148,10 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
             if seconds is not None and (seconds > 0).any():
                 tokens = m["perf/total_num_tokens"] * (epochs if phase.startswith("update") else 1)
                 row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
-        zero = cfg.get("zero") or {}
-        match = {f["head"]: f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")}
+        zero, fused = cfg.get("zero") or {}, bool((cfg.get("model") or {}).get("fused_ops", False))
+        same_stage = [f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")]
+        # the later floor wins; one run with the case's own model code (`model.fused_ops`) wins over one without
+        match = {f["head"]: f for f in sorted(same_stage, key=lambda f: f["fused_ops"] == fused)}
         if "lm" in match:
             row["bare DeepSpeed (tok/s/GPU)"] = match["lm"]["tokens_per_s_per_gpu"]
             row["floor shape (seqs × tokens per GPU)"] = f"{match['lm']['seqs']} × {match['lm']['seq_len']}"

@@ -184,7 +184,7 @@ class Trainer:
         self.info = self.policy.call("setup")[0]
         self.records.beat()
         if self.critic:
-            self.critic.call("setup")
+            self.info["critic"] = self.critic.call("setup")[0]
         self.records.beat()
 
     # ------------------------------------------------------------------------------------------- one step
@@ -385,6 +385,7 @@ class Trainer:
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
+                "fused_ops": self.info.get("fused_ops"),
             }
             self.records.result(result)
             return result

@@ -110,6 +110,7 @@ class _Worker:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
         torch.manual_seed(self.cfg.seed)
         self.device_peak_gb = 0.0
+        self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
         self.profiler = StepProfiler(self.on_cuda)
         self.choose_attention_kernels()
 
@@ -193,10 +194,18 @@ class _Worker:
                 # the hook is global: left set, every later from_pretrained (replica, reference) is partitioned too
                 unset_hf_deepspeed_config()
                 del zero3
+        self._fuse(model)
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         return model
+
+    def _fuse(self, model: torch.nn.Module) -> None:
+        """The lean RMSNorm and SwiGLU of `zbench.engine.fused`, unless `model.fused_ops` is off."""
+        if self.cfg.model.fused_ops:
+            from zbench.engine.fused import fuse
+
+            self.fused = fuse(model)
 
     def _initialize(self, model: torch.nn.Module, ds_config: dict) -> Any:
         import deepspeed
@@ -291,7 +300,7 @@ class PolicyWorker(_Worker):
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "cpu_threads": torch.get_num_threads(),
-                "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()),
+                "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
@@ -311,6 +320,7 @@ class PolicyWorker(_Worker):
             engine.eval()
             return engine
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        self._fuse(model)
         for p in model.parameters():
             p.requires_grad_(False)
         return model
@@ -436,7 +446,7 @@ class CriticWorker(_Worker):
         config.classifier_dropout = 0.0
         model = self._load(AutoModelForTokenClassification, ds_cfg, config=config)
         self.engine = self._initialize(model, ds_cfg)
-        return {"optimizer": self.optimizer_name()}
+        return {"optimizer": self.optimizer_name(), "fused_ops": self.fused}
 
     def _values(self, mb: Batch) -> torch.Tensor:
         width = mb["responses"].shape[1]
