@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,7 +73,8 @@ def test_floors_like_a_run_root(tmp_path):
         cfg = {"name": name, "algorithm": algorithm, "zero": {"stage": stage, "offload": offload},
                "trainer": {"world_size": 1, "train_batch_size": 4}, "actor": {"ppo_mini_batch_size": 4,
                "micro_batch_size_per_gpu": 2}, "critic": {"micro_batch_size_per_gpu": 4},
-               "rollout": {"n": 2 if algorithm == "grpo" else 1}}
+               "rollout": {"n": 2 if algorithm == "grpo" else 1},
+               "model": {"fused_ops": algorithm == "ppo"}}  # the floor runs the case's own model code
         (cdir / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
         (cdir / "metrics.jsonl").write_text("".join(
             json.dumps({"step": i + 1, "prompt_length/mean": 10.0, "response_length/mean": r}) + "\n"
@@ -85,13 +88,36 @@ def test_floors_like_a_run_root(tmp_path):
     printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     saved = [json.loads(line) for line in (root / "floors.jsonl").read_text().splitlines()]
     assert saved[1:] == printed and saved[0]["seq_len"] == 1
-    shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"]) for x in printed]
+    shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"], x["fused_ops"])
+              for x in printed]
     # sequences per rank per optimizer step: 4 prompts x n; mean length of steps 2.. (prompt 10 + response)
-    assert sorted(shapes) == sorted([(1, "none", "lm", 4, 31, 2), (1, "none", "value", 4, 31, 4),
-                                     (3, "cpu", "lm", 8, 28, 2)])
+    assert sorted(shapes) == sorted([(1, "none", "lm", 4, 31, 2, True), (1, "none", "value", 4, 31, 4, True),
+                                     (3, "cpu", "lm", 8, 28, 2, False)])
     clash = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(root), "--stage", "2"],
                            capture_output=True, text=True, timeout=300)
     assert clash.returncode == 2 and "--like takes the shape of every floor from the run root; drop --stage" in clash.stderr
     nothing = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(tmp_path)],
                              capture_output=True, text=True, timeout=300)
     assert nothing.returncode == 2 and "not a run root (no manifest.json)" in nothing.stderr
+
+
+def test_an_interrupted_floor_run_keeps_the_floors_it_finished(tmp_path):
+    """^C (or `timeout -s INT` bounding the floors after a GPU run) while a later floor runs: the floors already
+    measured are printed and kept, and the interruption is one clear line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zbench", "bench", "floor", "--model", "tiny", "--seqs", "4", "--micro", "2",
+         "--seq-len", "24", "--steps", "2", "--warmup", "1", "--stage", "1", "--stage", "2", "--stage", "3",
+         "--offload", "none", "--offload", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)})  # where the ranks write each floor as it finishes
+    deadline = time.monotonic() + 500
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(f.read_text().strip() for f in tmp_path.glob("*/floors.jsonl")):
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's ^C reaches the whole process group
+    out, err = proc.communicate(timeout=300)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 2, err[-3000:]
+    assert 1 <= len(rows) < 6 and rows[0]["stage"] == 1 and rows[0]["offload"] == "none"
+    assert f"floor {len(rows) + 1} of 6" in err and "failed: interrupted" in err

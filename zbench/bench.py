@@ -42,6 +42,7 @@ class FloorSpec:
     steps: int = 5  # timed optimizer steps, after `warmup`
     warmup: int = 2
     gradient_checkpointing: bool = False
+    fused_ops: bool = True  # the engine's lean RMSNorm and SwiGLU (`model.fused_ops`)
     head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
 
 
@@ -115,6 +116,10 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
         model = AutoModelForTokenClassification.from_pretrained(path, dtype=dtype, config=config)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if spec.fused_ops:
+        from zbench.engine.fused import fuse
+
+        fuse(model)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -207,10 +212,11 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
 
         try:
             mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size, join=True)
-        except Exception as err:  # a rank raised or died: keep what was measured before
+        except (Exception, KeyboardInterrupt) as err:  # a rank raised or died, or ^C: keep what was measured
             finished = done()
             spec = specs[min(len(finished), len(specs) - 1)]
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            last = "interrupted" if isinstance(err, KeyboardInterrupt) else (
+                str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
             raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
                              f"{spec.offload}, head {spec.head}) failed: {last}", finished) from err
         return done()
@@ -249,7 +255,8 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
         for head, micro in heads:
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
                              seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
-                             gradient_checkpointing=cfg.model.gradient_checkpointing, head=head)
+                             gradient_checkpointing=cfg.model.gradient_checkpointing,
+                             fused_ops=cfg.model.fused_ops, head=head)
             if spec not in specs:
                 specs.append(spec)
     if not specs:

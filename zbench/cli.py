@@ -250,6 +250,8 @@ def bench_floor(
     steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
+    fused_ops: Annotated[bool, typer.Option(
+        help="The engine's lean RMSNorm and SwiGLU, as `model.fused_ops` (the engine's default) gives them.")] = True,
     head: Annotated[list[str] | None, typer.Option(
         help="lm (the actor's causal LM) or value (the critic's token head); repeat to measure both [lm].")] = None,
     like: Annotated[Path | None, typer.Option(
@@ -268,6 +270,7 @@ def bench_floor(
                      "--micro": micro, "--world-size": world_size, "--head": head}
             clash = [name for name, value in given.items() if value is not None]
             clash += ["--gradient-checkpointing"] if gradient_checkpointing else []
+            clash += [] if fused_ops else ["--no-fused-ops"]
             if clash:
                 fail(f"--like takes the shape of every floor from the run root; drop {', '.join(clash)}")
             specs, notes = specs_like(like, steps, warmup)
@@ -277,7 +280,7 @@ def bench_floor(
         else:
             specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=seqs or 32, seq_len=seq_len or 612,
                                micro=micro or 8, world_size=world_size or 1, steps=steps, warmup=warmup,
-                               gradient_checkpointing=gradient_checkpointing, head=hd)
+                               gradient_checkpointing=gradient_checkpointing, fused_ops=fused_ops, head=hd)
                      for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
         groups: dict[tuple[str, int], list[FloorSpec]] = {}
         for spec in specs:  # floors measured together share the model and the ranks

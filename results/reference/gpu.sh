@@ -12,8 +12,9 @@
 # after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
 # recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
 # With FLOOR=1, `run` then measures the bare-DeepSpeed floors of the cases it ran (`zbench bench floor --like`,
-# ~1 min per floor, outside RUN_BUDGET_S) into the run root's floors.jsonl, so `zbench report` sets the phases
-# against floors from the same machine and call.
+# ~1 min per floor, outside RUN_BUDGET_S, bounded by $FLOOR_BUDGET_S (default 900) and by the epoch second
+# $FLOOR_UNTIL if set) into the run root's floors.jsonl, so `zbench report` sets the phases against floors from
+# the same machine and call.
 # Needs GSM8K jsonl in $GSM8K_DIR (default .gsm8k/) and zbench importable (pip install -e ., or a kit on PYTHONPATH).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -57,7 +58,12 @@ run)
     --set actor.lr=1e-6 --set critic.lr=1e-5 "$@" 2>&1 | tail -n 30
   root=$(ls -d /tmp/zbench-results/"$tag"_* | tail -n 1)
   if [ -n "${FLOOR:-}" ]; then  # the floors of the cases just run, same GPUs and host, into the run root
-    python3 -m zbench bench floor --like "$root" --warmup 1 --steps 2 | grep -c '^{' | sed 's/$/ floors measured/'
+    fb=${FLOOR_BUDGET_S:-900}
+    [ -n "${FLOOR_UNTIL:-}" ] && [ $(( FLOOR_UNTIL - $(date +%s) )) -lt "$fb" ] && fb=$(( FLOOR_UNTIL - $(date +%s) ))
+    if [ "$fb" -gt 30 ]; then  # stopped with SIGINT at the budget, keeping the floors measured by then
+      timeout -s INT -k 30 "$fb" python3 -m zbench bench floor --like "$root" --warmup 1 --steps 2 \
+        | grep -c '^{' | sed 's/$/ floors measured/'
+    else echo "no time left for floors"; fi
   fi
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"
