@@ -48,6 +48,24 @@ def test_plot_cpu_fallback_overlay_and_max_step(tmp_path):
     assert set(df.run_root) == {"before", "after"} and df.step.max() == 3
 
 
+def test_plot_memory_panel_prefers_the_whole_device_figure(tmp_path):
+    """GPU runs draw the device-wide memory in use where recorded, else torch's reserved peak (runs before the
+    device-wide figure existed); CPU runs fall through to CPU memory (test above)."""
+    old = make_run_root(tmp_path, SIX_CASES[:2], steps=3, device="cuda", name="old")
+    assert invoke("plot", "--run-root", old).exit_code == 0
+    df = pd.read_csv(next(old.glob("*_curves_metrics.tsv")), sep="\t")
+    assert "perf/max_memory_reserved_gb" in df.columns and "perf/device_memory_used_gb" not in df.columns
+    new = make_run_root(tmp_path, SIX_CASES[:2], steps=3, device="cuda", name="new")
+    metrics = new / SIX_CASES[0].name / "metrics.jsonl"  # one case is enough for the panel to be drawn
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "perf/device_memory_used_gb": 40.0 + r["step"]}) + "\n" for r in rows))
+    r = invoke("plot", "--run-root", new)
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(next(new.glob("*_curves_metrics.tsv")), sep="\t")
+    assert "perf/device_memory_used_gb" in df.columns and "perf/max_memory_reserved_gb" not in df.columns
+    assert df[df.case == SIX_CASES[0].name]["perf/device_memory_used_gb"].tolist() == [41.0, 42.0, 43.0]
+
+
 def test_plot_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     r = invoke("plot", "--run-root", tmp_path / "empty")
@@ -73,6 +91,23 @@ def test_compare_passes_then_fails_on_doctored_copy(tmp_path):
     assert "zero1: throughput_mean" in r.output and "crosses throughput_mean:-5%" in r.output
     assert "zero2: oom in NEW" in r.output and "zero3_cpu_offload: missing in NEW" in r.output
     assert invoke("compare", base, new, "--fail-on", "bogus:-5%").exit_code == 2
+
+
+def test_compare_gates_the_whole_device_memory_by_default(tmp_path):
+    """The default gates include the device-wide GPU memory (+10%); summaries without it (CPU runs, older runs)
+    pass that gate untouched."""
+    base = make_run_root(tmp_path, steps=3, device="cuda", name="base")
+    assert invoke("compare", base, base).exit_code == 0  # no device-wide figure on either side
+    rows = read_rows(base / "summary.tsv")
+    columns = tuple(rows[0])
+    write_summary(base / "summary.tsv", [{**r, "device_memory_used_gb": "40.0"} for r in rows], columns)
+    new = tmp_path / "new"
+    shutil.copytree(base, new)
+    write_summary(new / "summary.tsv", [{**r, "device_memory_used_gb": "40.0" if i else "45.0"}
+                                        for i, r in enumerate(rows)], columns)
+    r = invoke("compare", base, new)
+    assert r.exit_code == 1
+    assert f"{rows[0]['case']}: device_memory_used_gb 40 -> 45 crosses device_memory_used_gb:+10%" in r.output
 
 
 def test_parity_detects_divergence(tmp_path):

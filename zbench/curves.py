@@ -72,18 +72,19 @@ def _panel_metric(panel: dict[str, Any], algorithm: str) -> str:
 
 
 def _resolve_panels(spec: dict[str, Any], series: list[Series]) -> list[dict[str, Any]]:
-    """Panels with the CPU fallback applied where no case has the primary metric."""
+    """Each panel as drawn: its own metric if some case in the figure has it, else the first of its `fallbacks`
+    (or its older single `cpu_fallback`) that some case has."""
+
+    def present(panel: dict[str, Any]) -> bool:
+        return any(_panel_metric(panel, s.case.algorithm) in s.metrics.columns
+                   and s.metrics[_panel_metric(panel, s.case.algorithm)].notna().any() for s in series)
+
     panels = []
     for panel in spec["panels"]:
-        fallback = panel.get("cpu_fallback")
-        if fallback:
-            present = any(
-                _panel_metric(panel, s.case.algorithm) in s.metrics.columns
-                and s.metrics[_panel_metric(panel, s.case.algorithm)].notna().any()
-                for s in series
-            )
-            if not present:
-                panel = {**panel, **fallback}
+        chain = panel.get("fallbacks") or ([panel["cpu_fallback"]] if panel.get("cpu_fallback") else [])
+        if chain and not present(panel):
+            candidates = [{**panel, **f} for f in chain]
+            panel = next((c for c in candidates if present(c)), candidates[-1])
         panels.append(panel)
     return panels
 
