@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 
@@ -103,13 +104,15 @@ def test_floors_like_a_run_root(tmp_path):
 
 def test_an_interrupted_floor_run_keeps_the_floors_it_finished(tmp_path):
     """^C (or `timeout -s INT` bounding the floors after a GPU run) while a later floor runs: the floors already
-    measured are printed and kept, and the interruption is one clear line."""
+    measured are printed and kept, and the interruption is one clear line; also where the command started with
+    SIGINT ignored, as a background job of a script does (`gpu.sh`'s lanes)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "zbench", "bench", "floor", "--model", "tiny", "--seqs", "4", "--micro", "2",
          "--seq-len", "24", "--steps", "2", "--warmup", "1", "--stage", "1", "--stage", "2", "--stage", "3",
          "--offload", "none", "--offload", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)})  # where the ranks write each floor as it finishes
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where the ranks write each floor as it finishes
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 500
     while proc.poll() is None and time.monotonic() < deadline:
         if any(f.read_text().strip() for f in tmp_path.glob("*/floors.jsonl")):
@@ -121,3 +124,15 @@ def test_an_interrupted_floor_run_keeps_the_floors_it_finished(tmp_path):
     assert proc.returncode == 2, err[-3000:]
     assert 1 <= len(rows) < 6 and rows[0]["stage"] == 1 and rows[0]["offload"] == "none"
     assert f"floor {len(rows) + 1} of 6" in err and "failed: interrupted" in err
+    assert not _processes_with_env("TMPDIR", str(tmp_path))  # no rank left running
+
+
+def _processes_with_env(key: str, value: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value:
+                found.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return found

@@ -200,6 +200,11 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
 
 
 def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
+    """Run the floors in `world_size` spawned rank processes. SIGINT (^C, or `timeout -s INT` bounding the floors)
+    stops them even where the command started with SIGINT ignored, as a background job does: the ranks are
+    terminated and the floors they finished are kept (`FloorError.done`)."""
+    import signal
+
     import torch.multiprocessing as mp
 
     from zbench.engine.workers import free_port
@@ -210,15 +215,26 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
         def done() -> list[dict[str, Any]]:
             return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        ranks = None
         try:
-            mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size, join=True)
-        except (Exception, KeyboardInterrupt) as err:  # a rank raised or died, or ^C: keep what was measured
+            ranks = mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size,
+                             join=False)
+            while not ranks.join():
+                pass
+        except (Exception, KeyboardInterrupt) as err:  # a rank raised or died, or SIGINT: keep what was measured
+            for proc in ranks.processes if ranks is not None else []:
+                if proc.is_alive():
+                    proc.terminate()
+                proc.join(timeout=30)
             finished = done()
             spec = specs[min(len(finished), len(specs) - 1)]
             last = "interrupted" if isinstance(err, KeyboardInterrupt) else (
                 str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
             raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
                              f"{spec.offload}, head {spec.head}) failed: {last}", finished) from err
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return done()
 
 
