@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
-from zbench.engine.fused import SiluMulFunction, fuse, is_rms_norm, is_swiglu_mlp
+from zbench.engine.fused import RMSNormFunction, SiluMulFunction, fuse, is_rms_norm, is_swiglu_mlp
 from zbench.engine.models import qwen3_06b_config
 
 
@@ -43,6 +44,46 @@ def test_fuse_finds_every_norm_and_mlp_once():
     gelu.act_fn = torch.nn.GELU()
     assert not is_swiglu_mlp(gelu)
     assert not is_rms_norm(torch.nn.LayerNorm(8))
+
+
+def test_only_modules_running_the_stock_forward_are_fused():
+    """Llama's modules run Qwen3's code line for line and are fused; a norm scaling by (1 + weight) (Gemma) or
+    rounding after the weight (Olmo2), or an MLP with multipliers (Falcon-H1), keeps its own forward."""
+    from transformers import FalconH1Config, LlamaConfig
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    llama = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2)
+    assert is_rms_norm(LlamaRMSNorm(16)) and is_swiglu_mlp(LlamaMLP(llama))
+    assert not is_rms_norm(Olmo2RMSNorm(16)) and not is_rms_norm(GemmaRMSNorm(16))
+    falcon = FalconH1MLP(FalconH1Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2))
+    assert not is_swiglu_mlp(falcon)
+    assert fuse(falcon) == {"rms_norm": 0, "swiglu": 0}
+
+
+def test_the_lean_norm_without_pytorchs_fused_op(monkeypatch):
+    """Where PyTorch has no `_fused_rms_norm` (older releases) the same numbers come from plain operations."""
+    from zbench.engine import fused
+
+    model = _qwen3(dtype=torch.bfloat16)
+    ids = torch.randint(0, 1024, (2, 32))
+    fuse(model)
+    logits, grads = _grads(model, ids)
+    model.zero_grad()
+    monkeypatch.setattr(fused, "_HAS_FUSED_RMS", False)
+    plain_logits, plain_grads = _grads(model, ids)
+    assert torch.equal(logits, plain_logits)
+    assert all(torch.equal(g, plain_grads[n]) for n, g in grads.items())
+
+
+def test_double_backward_is_refused_not_wrong():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(RMSNormFunction.apply(x, w, 1e-6).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
 
 
 def test_float32_forward_is_exact_and_gradients_agree():
