@@ -64,6 +64,8 @@ def test_plot_memory_panel_prefers_the_whole_device_figure(tmp_path):
     df = pd.read_csv(next(new.glob("*_curves_metrics.tsv")), sep="\t")
     assert "perf/device_memory_used_gb" in df.columns and "perf/max_memory_reserved_gb" not in df.columns
     assert df[df.case == SIX_CASES[0].name]["perf/device_memory_used_gb"].tolist() == [41.0, 42.0, 43.0]
+    warning = " ".join(r.output.split())  # the console wraps long lines
+    assert f"no perf/device_memory_used_gb for {SIX_CASES[1].name}; drawn for the other cases only" in warning
 
 
 def test_plot_errors_are_clear(tmp_path):

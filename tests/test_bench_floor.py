@@ -110,7 +110,7 @@ def test_an_interrupted_floor_run_keeps_the_floors_it_finished(tmp_path):
         [sys.executable, "-m", "zbench", "bench", "floor", "--model", "tiny", "--seqs", "4", "--micro", "2",
          "--seq-len", "24", "--steps", "2", "--warmup", "1", "--stage", "1", "--stage", "2", "--stage", "3",
          "--offload", "none", "--offload", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},  # where the ranks write each floor as it finishes
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 500
@@ -118,7 +118,8 @@ def test_an_interrupted_floor_run_keeps_the_floors_it_finished(tmp_path):
         if any(f.read_text().strip() for f in tmp_path.glob("*/floors.jsonl")):
             break
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's ^C reaches the whole process group
+    assert proc.poll() is None, "the floors ended before the first one landed"
+    os.kill(proc.pid, signal.SIGINT)  # the command only (the ranks ignore SIGINT, as inherited): it stops them
     out, err = proc.communicate(timeout=300)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 2, err[-3000:]

@@ -223,16 +223,20 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
             while not ranks.join():
                 pass
         except (Exception, KeyboardInterrupt) as err:  # a rank raised or died, or SIGINT: keep what was measured
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second ^C must not cut the cleanup short
             for proc in ranks.processes if ranks is not None else []:
                 if proc.is_alive():
                     proc.terminate()
                 proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
             finished = done()
             spec = specs[min(len(finished), len(specs) - 1)]
             last = "interrupted" if isinstance(err, KeyboardInterrupt) else (
                 str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
-            raise FloorError(f"floor {len(finished) + 1} of {len(specs)} (stage {spec.stage}, offload "
-                             f"{spec.offload}, head {spec.head}) failed: {last}", finished) from err
+            raise FloorError(f"floor {min(len(finished) + 1, len(specs))} of {len(specs)} (stage {spec.stage}, "
+                             f"offload {spec.offload}, head {spec.head}) failed: {last}", finished) from err
         finally:
             signal.signal(signal.SIGINT, previous)
         return done()

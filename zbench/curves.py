@@ -205,12 +205,26 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
     png, tsv = Path(output or png), Path(metrics_tsv or tsv)
     title = f"{runs[0].matrix} — " + " vs ".join(dict.fromkeys(s.case.root_name for s in series))
     fig, table = render_curves(series, plot_spec, title)
+    warnings += _blank_in_panels(series, _resolve_panels(plot_spec, series))
     _atomic_savefig(fig, png, dpi=int(plot_spec.get("dpi", 110)))
     plt.close(fig)
     tmp = tsv.with_name(tsv.name + ".tmp")
     table.to_csv(tmp, sep="\t", index=False, na_rep="")
     tmp.replace(tsv)
     return CurvesResult(png=png, tsv=tsv, warnings=warnings)
+
+
+def _blank_in_panels(series: list[Series], panels: list[dict[str, Any]]) -> list[str]:
+    """A warning per panel naming the cases it draws nothing for while others have its metric (an overlay of a
+    run recorded before that metric existed, say)."""
+    out = []
+    for panel in panels:
+        blank = [s.label for s in series if _panel_metric(panel, s.case.algorithm) not in s.metrics.columns
+                 or s.metrics[_panel_metric(panel, s.case.algorithm)].isna().all()]
+        if blank and len(blank) < len(series):
+            out.append(f"{panel['title']}: no {', '.join(dict.fromkeys(_panel_metric(panel, s.case.algorithm) for s in series))} "
+                       f"for {', '.join(blank)}; drawn for the other cases only")
+    return out
 
 
 def _atomic_savefig(fig: Figure, path: Path, dpi: int) -> None:
