@@ -220,8 +220,8 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
         try:
             ranks = mp.spawn(_floor_rank, args=(specs, free_port(), str(out)), nprocs=specs[0].world_size,
                              join=False)
-            while not ranks.join():
-                pass
+            while not ranks.join():  # False while ranks remain after one exits cleanly; raises if one failed
+                continue
         except (Exception, KeyboardInterrupt) as err:  # a rank raised or died, or SIGINT: keep what was measured
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second ^C must not cut the cleanup short
             for proc in ranks.processes if ranks is not None else []:

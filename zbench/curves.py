@@ -71,20 +71,21 @@ def _panel_metric(panel: dict[str, Any], algorithm: str) -> str:
     return str(metric.get(algorithm, next(iter(metric.values())))) if isinstance(metric, dict) else str(metric)
 
 
+def _has(s: Series, panel: dict[str, Any]) -> bool:
+    """Whether case `s` recorded a value of the panel's metric."""
+    metric = _panel_metric(panel, s.case.algorithm)
+    return metric in s.metrics.columns and bool(s.metrics[metric].notna().any())
+
+
 def _resolve_panels(spec: dict[str, Any], series: list[Series]) -> list[dict[str, Any]]:
     """Each panel as drawn: its own metric if some case in the figure has it, else the first of its `fallbacks`
     (or its older single `cpu_fallback`) that some case has."""
-
-    def present(panel: dict[str, Any]) -> bool:
-        return any(_panel_metric(panel, s.case.algorithm) in s.metrics.columns
-                   and s.metrics[_panel_metric(panel, s.case.algorithm)].notna().any() for s in series)
-
     panels = []
     for panel in spec["panels"]:
         chain = panel.get("fallbacks") or ([panel["cpu_fallback"]] if panel.get("cpu_fallback") else [])
-        if chain and not present(panel):
+        if chain and not any(_has(s, panel) for s in series):
             candidates = [{**panel, **f} for f in chain]
-            panel = next((c for c in candidates if present(c)), candidates[-1])
+            panel = next((c for c in candidates if any(_has(s, c) for s in series)), candidates[-1])
         panels.append(panel)
     return panels
 
@@ -126,9 +127,11 @@ def metrics_table(series: list[Series], panels: list[dict[str, Any]]) -> pd.Data
     return pd.concat(frames, ignore_index=True)
 
 
-def render_curves(series: list[Series], spec: dict[str, Any], title: str) -> tuple[Figure, pd.DataFrame]:
-    """Draw the 2×2 figure; return it with its metrics table."""
-    panels = _resolve_panels(spec, series)
+def render_curves(series: list[Series], spec: dict[str, Any], title: str,
+                  panels: list[dict[str, Any]] | None = None) -> tuple[Figure, pd.DataFrame]:
+    """Draw the 2×2 figure (its `panels` as resolved by `_resolve_panels`, resolved here if not given); return it
+    with its metrics table."""
+    panels = panels if panels is not None else _resolve_panels(spec, series)
     colors = case_colors([s.case.name for s in series])
     roots = list(dict.fromkeys(s.case.root_name for s in series))
     styles = {r: LINE_STYLES[i % len(LINE_STYLES)] for i, r in enumerate(roots)}
@@ -204,8 +207,9 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
     png, tsv = default_names(runs[0], overlay)
     png, tsv = Path(output or png), Path(metrics_tsv or tsv)
     title = f"{runs[0].matrix} — " + " vs ".join(dict.fromkeys(s.case.root_name for s in series))
-    fig, table = render_curves(series, plot_spec, title)
-    warnings += _blank_in_panels(series, _resolve_panels(plot_spec, series))
+    panels = _resolve_panels(plot_spec, series)
+    fig, table = render_curves(series, plot_spec, title, panels)
+    warnings += _blank_in_panels(series, panels)
     _atomic_savefig(fig, png, dpi=int(plot_spec.get("dpi", 110)))
     plt.close(fig)
     tmp = tsv.with_name(tsv.name + ".tmp")
@@ -219,11 +223,10 @@ def _blank_in_panels(series: list[Series], panels: list[dict[str, Any]]) -> list
     run recorded before that metric existed, say)."""
     out = []
     for panel in panels:
-        blank = [s.label for s in series if _panel_metric(panel, s.case.algorithm) not in s.metrics.columns
-                 or s.metrics[_panel_metric(panel, s.case.algorithm)].isna().all()]
+        blank = [s.label for s in series if not _has(s, panel)]
         if blank and len(blank) < len(series):
-            out.append(f"{panel['title']}: no {', '.join(dict.fromkeys(_panel_metric(panel, s.case.algorithm) for s in series))} "
-                       f"for {', '.join(blank)}; drawn for the other cases only")
+            metrics = ", ".join(dict.fromkeys(_panel_metric(panel, s.case.algorithm) for s in series))
+            out.append(f"{panel['title']}: no {metrics} for {', '.join(blank)}; drawn for the other cases only")
     return out
 
 
