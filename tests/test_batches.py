@@ -1,16 +1,25 @@
 """Micro-batches for the training and scoring passes: all-padding prompt columns are trimmed per micro-batch
-without changing a single log-prob, and the gradient-free passes may use a larger micro-batch."""
+without changing a single log-prob; the maskless layout (padding moved behind the tokens, causal attention only)
+gives the same log-probs, values and gradients as the masked one; the gradient-free passes may use a larger
+micro-batch."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from zbench.config import ConfigError, from_dict
 from zbench.engine.models import resolve_model
 from zbench.engine.trainer import left_pad
-from zbench.engine.workers import PolicyWorker, forward_batches, micro_batches, trim_left_padding
+from zbench.engine.workers import (
+    PolicyWorker,
+    forward_batches,
+    micro_batches,
+    model_outputs,
+    shift_padding_right,
+    trim_left_padding,
+)
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -51,6 +60,74 @@ def test_trimmed_forward_gives_the_same_log_probs():
     assert trimmed.shape == whole.shape == batch["responses"].shape
     assert torch.allclose(trimmed, whole, atol=1e-5)
     assert forward_batches(batch, 3)[1]["input_ids"].shape[1] < batch["input_ids"].shape[1]
+
+
+def test_shift_padding_right_moves_each_rows_padding_behind_its_tokens():
+    batch = _batch()
+    prompt_width = batch["input_ids"].shape[1] - 5
+    for mb in micro_batches(batch, 3):
+        out = shift_padding_right(mb)
+        assert set(out) == {"input_ids", "hidden_index", "responses", "response_mask"}
+        lengths = mb["attention_mask"][:, :prompt_width].sum(1)
+        assert out["input_ids"].shape[1] == int(lengths.max()) + 5  # the micro-batch's longest row, no more
+        for row in range(3):
+            n = int(lengths[row])
+            tokens = mb["input_ids"][row, prompt_width - n :]  # the prompt, then the whole response (5 columns)
+            assert torch.equal(out["input_ids"][row, : n + 5], tokens)
+            assert not out["input_ids"][row, n + 5 :].ne(0).any()  # the rest is the row's own padding (id 0)
+            # the last prompt token, then each response token: the columns that score the response
+            assert out["hidden_index"][row].tolist() == list(range(n - 1, n + 5))
+
+
+def _tiny_pair(head: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two identical tiny float32 models (the actor's LM head, or the critic's value head)."""
+    path = resolve_model("tiny")
+    if head == "lm":
+        build = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # noqa: E731
+    else:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        build = lambda: AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32,  # noqa: E731
+                                                                        config=config)
+    torch.manual_seed(0)
+    masked = build()
+    maskless = build()
+    maskless.load_state_dict(masked.state_dict())
+    return masked, maskless
+
+
+def test_maskless_layout_gives_the_masked_log_probs_and_gradients():
+    """The actor's own log-prob pass on both layouts of the same micro-batches; a loss over the response tokens
+    gives the same gradient on every parameter (padding contributes nothing in either layout)."""
+    masked, maskless = _tiny_pair("lm")
+    worker = SimpleNamespace(cfg=from_dict({}))
+    batch = _batch()
+    logps = []
+    for model, flag in ((masked, False), (maskless, True)):
+        parts = [PolicyWorker._logprobs(worker, model, mb)[0] for mb in forward_batches(batch, 3, maskless=flag)]
+        logp = torch.cat(parts) * batch["response_mask"]  # after an early EOS the layouts differ, and nothing reads it
+        logp.sum().backward()
+        logps.append(logp)
+    assert torch.allclose(logps[0], logps[1], atol=1e-5)
+    assert logps[0].abs().sum() > 0
+    for (name, a), b in zip(masked.named_parameters(), maskless.parameters(), strict=True):
+        assert a.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-5), name
+
+
+@torch.no_grad()
+def test_maskless_layout_gives_the_masked_values():
+    """The critic's value head reads the same positions in both layouts."""
+    masked, maskless = _tiny_pair("value")
+    batch = _batch()
+    width = batch["responses"].shape[1]
+    values = []
+    for model, flag in ((masked, False), (maskless, True)):
+        outs = [model_outputs(model, mb).logits[:, -width - 1 : -1, 0] for mb in forward_batches(batch, 3, flag)]
+        values.append(torch.cat(outs) * batch["response_mask"])
+    assert values[0].shape == batch["responses"].shape
+    assert torch.allclose(values[0], values[1], atol=1e-5)
+    # the hook is gone after the call: the model runs as before
+    assert model_outputs(maskless, micro_batches(batch, 3)[0]).logits.shape[1] == batch["input_ids"].shape[1]
 
 
 def test_forward_micro_batch_size_is_validated():

@@ -58,6 +58,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
     sdpa_cudnn: bool = False  # CUDA: let training's attention use cuDNN (builds a plan per new shape; RL shapes vary)
     fused_ops: bool = True  # training models: RMSNorm and SwiGLU keep less for backward (zbench.engine.fused)
+    # training and scoring forwards move each row's left padding behind its tokens and run attention with the causal
+    # flag alone (flash kernels) instead of a padding mask (zbench.engine.workers.shift_padding_right)
+    maskless_attention: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))

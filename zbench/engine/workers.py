@@ -54,14 +54,65 @@ def trim_left_padding(mb: Batch) -> Batch:
     return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
 
 
+def shift_padding_right(mb: Batch) -> Batch:
+    """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and drop the
+    columns that are padding in every row, so that a forward needs no padding mask: with causal attention no
+    token sees a later column, so trailing padding is never attended. Attention then runs with the causal flag
+    alone (SDPA's flash kernels) instead of a dense mask, and positions are 0, 1, ... in every row, as the
+    masked layout's were for its tokens.
+
+    The mask and positions are replaced by `hidden_index` [rows, R + 1] (R = response width): where the last
+    R + 1 columns of the left-padded layout, the last prompt token and the response, now sit in each row. Those
+    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there."""
+    mask, responses = mb["attention_mask"], mb["responses"]
+    width, resp = mask.shape[1], responses.shape[1]
+    prompt_width = width - resp
+    prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
+    pad = prompt_width - prompt_len
+    keep = width - int(pad.min())
+    cols = (torch.arange(keep)[None] + pad[:, None]) % width  # wraps the row's own padding to its end
+    out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    out["input_ids"] = mb["input_ids"].gather(1, cols)
+    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1)[None]
+    return out
+
+
+def model_outputs(model: Any, mb: Batch, **kwargs: Any) -> Any:
+    """`model` (a Hugging Face model, or a DeepSpeed engine around one) on a micro-batch of `forward_batches`.
+
+    A micro-batch laid out by `shift_padding_right` runs without mask or positions; a forward hook on the base
+    model keeps its hidden states at `hidden_index` only, so the head (LM or value) sees the positions of the
+    left-padded layout's last R + 1 columns, in that order, as the masked layout gives them."""
+    if "hidden_index" not in mb:
+        return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                     position_ids=mb["position_ids"], use_cache=False, **kwargs)
+    module = getattr(model, "module", model)  # DeepSpeed's engine holds the Hugging Face model as .module
+    base = getattr(module, module.base_model_prefix)
+    index = mb["hidden_index"]
+
+    def keep_response_positions(_module: Any, _args: Any, out: Any) -> Any:
+        hidden = out.last_hidden_state
+        out.last_hidden_state = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        return out
+
+    handle = base.register_forward_hook(keep_response_positions)
+    try:
+        return model(input_ids=mb["input_ids"], use_cache=False, **kwargs)
+    finally:
+        handle.remove()
+
+
 def forward_micro(section: Any) -> int:
     """Micro-batch of the gradient-free passes of an actor or critic config section (0 = its training size)."""
     return section.forward_micro_batch_size_per_gpu or section.micro_batch_size_per_gpu
 
 
-def forward_batches(batch: Batch, size: int) -> list[Batch]:
-    """`micro_batches` of `size` rows, each trimmed of its all-padding prompt columns."""
-    return [trim_left_padding(mb) for mb in micro_batches(batch, size)]
+def forward_batches(batch: Batch, size: int, maskless: bool = False) -> list[Batch]:
+    """`micro_batches` of `size` rows, each laid out for a forward: trimmed of its all-padding prompt columns,
+    or with `maskless` (`model.maskless_attention`) by `shift_padding_right`. Meant for the host copy of a
+    batch: the layout is read from the mask without waiting on the GPU."""
+    layout = shift_padding_right if maskless else trim_left_padding
+    return [layout(mb) for mb in micro_batches(batch, size)]
 
 
 def phase(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -224,10 +275,11 @@ class _Worker:
         plan = self.cfg.batch_plan()
         self.engine.train()
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        batch = self._to_device(batch)
+        minis = [self._forward_batches(mini, micro)
+                 for mini in micro_batches(batch, plan.mini_batch_sequences // self.world_size)]
         for _ in range(self.cfg.actor.ppo_epochs):
-            for mini_batch in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
-                for mb in forward_batches(mini_batch, micro):
+            for mini_batch in minis:
+                for mb in mini_batch:
                     self.engine.backward(loss_fn(mb, stats))
                     self.engine.step()
                 norm = self.engine.get_global_grad_norm()
@@ -276,6 +328,11 @@ class _Worker:
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _forward_batches(self, batch: Batch, size: int) -> list[Batch]:
+        """This rank's (host) batch as device micro-batches of `size` rows, laid out as `model.maskless_attention`
+        says (`forward_batches`)."""
+        return [self._to_device(mb) for mb in forward_batches(batch, size, self.cfg.model.maskless_attention)]
 
 
 class PolicyWorker(_Worker):
@@ -365,8 +422,7 @@ class PolicyWorker(_Worker):
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs and, if asked, per-token entropy (with gradients only when it is in the loss)."""
         width = mb["responses"].shape[1]
-        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
-                    use_cache=False, logits_to_keep=width + 1)
+        out = model_outputs(model, mb, logits_to_keep=width + 1)
         temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
         # chunked (and checkpointed under autograd): no float32 copy of the micro-batch's whole logits is kept
         return algos.token_logprobs_and_entropy(out.logits[:, :-1], mb["responses"], temperature,
@@ -374,8 +430,7 @@ class PolicyWorker(_Worker):
 
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
-        outs = [self._logprobs(model, mb)[0] for mb in forward_batches(self._to_device(batch),
-                                                                           forward_micro(self.cfg.actor))]
+        outs = [self._logprobs(model, mb)[0] for mb in self._forward_batches(batch, forward_micro(self.cfg.actor))]
         return {key: torch.cat(outs).cpu()}  # one copy to the host: no wait for the GPU between micro-batches
 
     @phase("old_log_prob")
@@ -450,8 +505,7 @@ class CriticWorker(_Worker):
 
     def _values(self, mb: Batch) -> torch.Tensor:
         width = mb["responses"].shape[1]
-        out = self.engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                          position_ids=mb["position_ids"], use_cache=False)
+        out = model_outputs(self.engine, mb)
         return out.logits[:, -width - 1 : -1, 0].float() * mb["response_mask"]
 
     @phase("values")
@@ -459,7 +513,7 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
         self.engine.eval()
-        outs = [self._values(mb) for mb in forward_batches(self._to_device(batch), forward_micro(self.cfg.critic))]
+        outs = [self._values(mb) for mb in self._forward_batches(batch, forward_micro(self.cfg.critic))]
         return {"values": torch.cat(outs).cpu()}  # one copy to the host, as in the actor's passes
 
     @phase("update_critic")
