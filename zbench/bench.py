@@ -71,6 +71,32 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def bare_steps(engine: Any, head: str, micro: int, seq_len: int, accum: int, steps: int,
+               generator: torch.Generator) -> list[float]:
+    """Seconds of each of `steps` optimizer steps of a DeepSpeed `engine` over random tokens, `accum` micro-batches
+    of `micro` x `seq_len` each: the LM loss for head `lm`, a squared value-head output for `value`. Nothing else
+    runs: no mask, no log-prob or RL loss, no statistics."""
+    on_cuda = torch.device(engine.device).type == "cuda"
+    vocab = engine.module.config.vocab_size
+    times = []
+    for _ in range(steps):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (micro, seq_len), generator=generator).to(engine.device)
+            if head == "value":
+                loss = engine(input_ids=ids, use_cache=False).logits.float().square().mean()
+            else:
+                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _release_zero3_globals() -> None:
     """DeepSpeed 0.19 keeps a ZeRO-3 engine alive after `destroy()` through two process-wide references: the
     forward module stack and an unbounded `lru_cache` on the parameter coordinator (keyed by the modules, whose
@@ -124,26 +150,8 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    device = engine.device
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(rank)
-    times = []
-    for i in range(spec.warmup + spec.steps):
-        if on_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(accum):
-            ids = torch.randint(0, vocab, (spec.micro, spec.seq_len), generator=g).to(device)
-            if spec.head == "value":
-                loss = engine(input_ids=ids, use_cache=False).logits.float().square().mean()
-            else:
-                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
-        if on_cuda:
-            torch.cuda.synchronize()
-        if i >= spec.warmup:
-            times.append(time.perf_counter() - start)
+    times = bare_steps(engine, spec.head, spec.micro, spec.seq_len, accum, spec.warmup + spec.steps,
+                       torch.Generator().manual_seed(rank))[spec.warmup:]
     step = statistics.median(times)
     result = {**asdict(spec), "model_class": type(model).__name__, "step_s_median": step, "step_s_all": times,
               "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
@@ -152,7 +160,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
               "memory_held_at_start_gb": held, "cpu_threads": torch.get_num_threads(),
               "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
     engine.destroy()
-    del engine, model, loss
+    del engine, model
     _release_zero3_globals()
     gc.collect()
     if on_cuda:
