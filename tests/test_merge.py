@@ -70,6 +70,17 @@ def test_two_completions_latest_wins(tmp_path: Path) -> None:
     assert row["case_dir"] == f"../{first.path.name}/a"  # ended later, though listed first
 
 
+def test_never_completed_keeps_the_attempt_with_the_most_steps(tmp_path: Path) -> None:
+    first = make_root(tmp_path, ["a", "b"])
+    put(first, "a", "interrupted", "2026-01-01T00:00:00Z", steps=2)
+    put(first, "b", "failed", "2026-01-01T00:01:00Z", steps=1)
+    second = make_root(tmp_path, ["a", "b"])
+    put(second, "a", "interrupted", "2026-01-02T00:00:00Z", steps=1)  # later, but got less far
+    put(second, "b", "failed", "2026-01-02T00:01:00Z", steps=1)  # as far: the later one
+    rows = store.merge([first.path, second.path]).rows
+    assert [(r["case_dir"], r["steps_completed"]) for r in rows] == [("a", "2"), (f"../{second.path.name}/b", "1")]
+
+
 def test_config_conflict_is_an_error_unless_forced(tmp_path: Path) -> None:
     first = make_root(tmp_path, ["a"])
     put(first, "a", "failed", "2026-01-01T00:00:00Z")

@@ -181,7 +181,8 @@ def merge(
     out: Annotated[str | None, typer.Option(help="Output TSV (default <first run root>/summary_complete.tsv).")] = None,
     force: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")] = False,
 ) -> None:
-    """Combine the summaries of several run roots; the latest completed attempt of each case wins."""
+    """Combine the summaries of several run roots; the latest completed attempt of each case wins (a case never
+    completed: the attempt that got furthest)."""
     from zbench.store import StoreError
     from zbench.store import merge as merge_roots
 

@@ -551,6 +551,13 @@ class MergeResult:
     warnings: list[str]
 
 
+def _int_or(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        return default
+
+
 def _ended_at(root: RunRoot, case_dir: str) -> str:
     status = read_status(root.path / case_dir) or {}
     return str(status.get("ended_at") or "")
@@ -564,7 +571,8 @@ def merge(
     """Combine the cases of several run roots into one summary (default ``<first root>/summary_complete.tsv``).
 
     For each case the latest completed attempt wins (by status ``ended_at``, later run roots winning ties); a
-    case never completed keeps its latest attempt so the table shows what is missing. Rows are ordered by the
+    case never completed keeps the attempt that recorded the most steps (the latest of those), so the table
+    shows what is missing and the most that was measured. Rows are ordered by the
     first run root's matrix order, then cases only other roots have. ``case_dir`` is rewritten relative to the
     output file's directory. A case whose config_hash differs between run roots is an error naming both roots,
     unless ``force`` (then the winner's row is kept and a warning returned).
@@ -597,8 +605,11 @@ def merge(
         def key(c: tuple[int, RunRoot, dict[str, str]]) -> tuple[str, int]:
             return (_ended_at(c[1], c[2]["case_dir"]), c[0])
 
+        def furthest(c: tuple[int, RunRoot, dict[str, str]]) -> tuple[int, str, int]:
+            return (_int_or(c[2].get("steps_completed"), 0), *key(c))
+
         completed = [c for c in cands if c[2]["status"] == "completed"]
-        _, root, row = max(completed or cands, key=key)
+        _, root, row = max(completed, key=key) if completed else max(cands, key=furthest)
         row = dict(row)
         out_dir = out_path.parent.resolve()
         row["case_dir"] = os.path.relpath((root.path / row["case_dir"]).resolve(), out_dir)
