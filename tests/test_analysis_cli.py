@@ -224,6 +224,11 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
         {**floor, "fused_ops": False, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": True})))
     assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
     assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    # repeats of one floor: the fastest is the floor, whichever came last
+    floors.write_text("".join(json.dumps({**floor, "fused_ops": False, "tokens_per_s_per_gpu": rate}) + "\n"
+                              for rate in (11111.0, 13579.0, 12000.0)))
+    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert "| 13,579 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

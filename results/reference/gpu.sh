@@ -43,7 +43,7 @@ floor)  # every stage in "$1" with every offload in "$2", one after another in t
   args=(); for s in $1; do args+=(--stage "$s"); done; for o in $2; do args+=(--offload "$o"); done
   for h in ${FLOOR_HEADS:-lm}; do args+=(--head "$h"); done
   python3 -m zbench bench floor --model qwen3-0.6b "${args[@]}" --seqs "$3" --seq-len "$4" --micro "${FLOOR_MICRO:-8}" \
-    --world-size "$(ngpu)" --warmup 1 --steps 2 | grep '^{' | tee -a "$out/floors.jsonl"
+    --world-size "$(ngpu)" --warmup 1 --steps 4 | grep '^{' | tee -a "$out/floors.jsonl"
   ;;
 run)
   matrix=$1; cases=$2; steps=$3; shift 3
@@ -61,7 +61,7 @@ run)
     fb=${FLOOR_BUDGET_S:-900}
     [ -n "${FLOOR_UNTIL:-}" ] && [ $(( FLOOR_UNTIL - $(date +%s) )) -lt "$fb" ] && fb=$(( FLOOR_UNTIL - $(date +%s) ))
     if [ "$fb" -gt 30 ]; then  # stopped with SIGINT at the budget, keeping the floors measured by then
-      timeout -s INT -k 30 "$fb" python3 -m zbench bench floor --like "$root" --warmup 1 --steps 2 \
+      timeout -s INT -k 30 "$fb" python3 -m zbench bench floor --like "$root" --warmup 1 --steps 4 \
         | grep -c '^{' | sed 's/$/ floors measured/'
     else echo "no time left for floors"; fi
   fi
