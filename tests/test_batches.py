@@ -17,6 +17,7 @@ from zbench.engine.workers import (
     forward_batches,
     micro_batches,
     model_outputs,
+    response_decoder,
     shift_padding_right,
     trim_left_padding,
 )
@@ -128,6 +129,49 @@ def test_maskless_layout_gives_the_masked_values():
     assert torch.allclose(values[0], values[1], atol=1e-5)
     # the hook is gone after the call: the model runs as before
     assert model_outputs(maskless, micro_batches(batch, 3)[0]).logits.shape[1] == batch["input_ids"].shape[1]
+
+
+def _random_lm(model_type: str, **extra: int) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  vocab_size=128, max_position_embeddings=256, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+class _Bypass(torch.nn.Module):
+    """A wrapper whose forward skips the decoder it names (as a head reading another module would)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.inner.get_decoder()
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.inner.get_input_embeddings()(input_ids)
+
+
+@torch.no_grad()
+def test_maskless_layout_reads_the_decoder_a_head_reads():
+    """OPT's head runs its decoder stack, not its base model's forward: the hidden states are gathered there. A
+    model without a decoder apart from its head (Llama 4's text model names a base attribute it lacks) is a config
+    error naming the key, as is a forward that never passes through the decoder."""
+    model = _random_lm("opt", ffn_dim=128, word_embed_proj_dim=64)
+    assert type(response_decoder(model)).__name__ == "OPTDecoder"
+    worker = SimpleNamespace(cfg=from_dict({}))
+    batch = _batch()
+    masked, maskless = (torch.cat([PolicyWorker._logprobs(worker, model, mb)[0]
+                                   for mb in forward_batches(batch, 3, flag)]) * batch["response_mask"]
+                        for flag in (False, True))
+    assert torch.allclose(masked, maskless, atol=1e-5)
+    llama4 = _random_lm("llama4_text", num_key_value_heads=2, intermediate_size=128, intermediate_size_mlp=128,
+                        head_dim=16, num_local_experts=2)
+    with pytest.raises(ConfigError, match=r"model\.maskless_attention"):
+        response_decoder(llama4)
+    mb = forward_batches(batch, 3, maskless=True)[0]
+    with pytest.raises(ConfigError, match="ran OPTDecoder 0 times"):
+        model_outputs(_Bypass(model), mb)
 
 
 def test_forward_micro_batch_size_is_validated():

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import RunConfig, effective_offload, from_dict
+from zbench.config import ConfigError, RunConfig, effective_offload, from_dict
 from zbench.engine import algos
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
@@ -70,36 +70,56 @@ def shift_padding_right(mb: Batch) -> Batch:
     prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
     pad = prompt_width - prompt_len
     keep = width - int(pad.min())
-    cols = (torch.arange(keep)[None] + pad[:, None]) % width  # wraps the row's own padding to its end
+    cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
     out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
     out["input_ids"] = mb["input_ids"].gather(1, cols)
-    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1)[None]
+    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1, device=mask.device)[None]
     return out
+
+
+def response_decoder(model: Any) -> torch.nn.Module:
+    """The module whose output (`last_hidden_state`) the head of `model` (a Hugging Face model, or a DeepSpeed
+    engine around one) reads: the model's decoder (`get_decoder()`: `model.model` for Llama-style models, the
+    decoder stack for OPT, whose head skips the base model's own forward). A model without a separate one cannot
+    run the maskless layout: a config error naming `model.maskless_attention`."""
+    module = getattr(model, "module", model)  # DeepSpeed's engine holds the Hugging Face model as .module
+    decoder = module.get_decoder() if hasattr(module, "get_decoder") else None
+    if not isinstance(decoder, torch.nn.Module) or decoder is module:
+        raise ConfigError("model.maskless_attention", f"{type(module).__name__} has no decoder module apart from its "
+                                                      "head for the maskless layout to read; set it to false")
+    return decoder
 
 
 def model_outputs(model: Any, mb: Batch, **kwargs: Any) -> Any:
     """`model` (a Hugging Face model, or a DeepSpeed engine around one) on a micro-batch of `forward_batches`.
 
-    A micro-batch laid out by `shift_padding_right` runs without mask or positions; a forward hook on the base
-    model keeps its hidden states at `hidden_index` only, so the head (LM or value) sees the positions of the
-    left-padded layout's last R + 1 columns, in that order, as the masked layout gives them."""
+    A micro-batch laid out by `shift_padding_right` runs without mask or positions; a forward hook on the model's
+    decoder (`response_decoder`) keeps its hidden states at `hidden_index` only, so the head (LM or value) sees the
+    positions of the left-padded layout's last R + 1 columns, in that order, as the masked layout gives them. A
+    forward that does not pass through that decoder exactly once is refused rather than scored on other columns."""
     if "hidden_index" not in mb:
         return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                      position_ids=mb["position_ids"], use_cache=False, **kwargs)
-    module = getattr(model, "module", model)  # DeepSpeed's engine holds the Hugging Face model as .module
-    base = getattr(module, module.base_model_prefix)
+    decoder = response_decoder(model)
     index = mb["hidden_index"]
+    calls = 0
 
     def keep_response_positions(_module: Any, _args: Any, out: Any) -> Any:
+        nonlocal calls
+        calls += 1
         hidden = out.last_hidden_state
         out.last_hidden_state = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
         return out
 
-    handle = base.register_forward_hook(keep_response_positions)
+    handle = decoder.register_forward_hook(keep_response_positions)
     try:
-        return model(input_ids=mb["input_ids"], use_cache=False, **kwargs)
+        out = model(input_ids=mb["input_ids"], use_cache=False, **kwargs)
     finally:
         handle.remove()
+    if calls != 1:
+        raise ConfigError("model.maskless_attention", f"a forward ran {type(decoder).__name__} {calls} times, not once: "
+                                                      "its head does not read that module's output; set it to false")
+    return out
 
 
 def forward_micro(section: Any) -> int:
@@ -246,6 +266,8 @@ class _Worker:
                 unset_hf_deepspeed_config()
                 del zero3
         self._fuse(model)
+        if self.cfg.model.maskless_attention:
+            response_decoder(model)  # a model the layout cannot run fails here, before any step
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
