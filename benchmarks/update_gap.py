@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 
-def _config(args: argparse.Namespace, data: str) -> dict[str, Any]:
+def _config(args: argparse.Namespace) -> dict[str, Any]:
     from zbench.config import from_dict, to_dict
 
     cfg = from_dict({
         "algorithm": "ppo", "seed": 7777, "model": {"path": args.model},
-        "data": {"train_files": data, "max_prompt_length": 512},
+        "data": {"train_files": args.data, "max_prompt_length": 512},
         "rollout": {"backend": "hf", "n": 1, "max_new_tokens": args.response_len},
         "actor": {"ppo_mini_batch_size": args.seqs, "micro_batch_size_per_gpu": args.micro,
                   "forward_micro_batch_size_per_gpu": 2 * args.micro},
@@ -58,7 +58,7 @@ def _batch(cfg: Any, model_path: str, seqs: int, response_len: int) -> dict[str,
     from transformers import AutoTokenizer
 
     from zbench.data import load_prompts, synthetic_problems
-    from zbench.engine.trainer import PromptStream, left_pad
+    from zbench.engine.trainer import PromptStream, left_pad, sequence_batch
 
     tok = AutoTokenizer.from_pretrained(model_path)
     d = cfg.data
@@ -67,10 +67,7 @@ def _batch(cfg: Any, model_path: str, seqs: int, response_len: int) -> dict[str,
     p_ids, p_mask = left_pad([stream.ids[i] for i in stream.indices(1)], tok.pad_token_id or 0)
     g = torch.Generator().manual_seed(cfg.seed)
     responses = torch.randint(0, len(tok), (seqs, response_len), generator=g)
-    r_mask = torch.ones_like(responses)
-    attn = torch.cat([p_mask, r_mask], 1)
-    return {"input_ids": torch.cat([p_ids, responses], 1), "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask}
+    return sequence_batch(p_ids, p_mask, responses, torch.ones_like(responses))
 
 
 def _timed(fn: Callable[[], Any], repeats: int, on_cuda: bool, before: Callable[[], None] | None = None) -> list[float]:
@@ -105,7 +102,7 @@ def main() -> int:
     from zbench.engine.models import resolve_model
     from zbench.engine.workers import CriticWorker, PolicyWorker, forward_batches, free_port
 
-    raw = _config(args, args.data)
+    raw = _config(args)
     model_path = str(resolve_model(args.model))
     case_dir = tempfile.mkdtemp(prefix="zbench-gap-")
     actor = PolicyWorker(raw, 0, 1, case_dir, model_path)

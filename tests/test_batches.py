@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from zbench.config import ConfigError, from_dict
 from zbench.engine.models import resolve_model
-from zbench.engine.trainer import left_pad
+from zbench.engine.trainer import left_pad, sequence_batch
 from zbench.engine.workers import (
     PolicyWorker,
     forward_batches,
@@ -31,9 +31,7 @@ def _batch() -> dict[str, torch.Tensor]:
     responses = torch.randint(3, 90, (6, 5), generator=g)
     r_mask = torch.ones_like(responses)
     r_mask[2, 3:] = 0  # an early EOS: trailing padding inside the response
-    attn = torch.cat([p_mask, r_mask], 1)
-    return {"input_ids": torch.cat([p_ids, responses], 1), "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask}
+    return sequence_batch(p_ids, p_mask, responses, r_mask)
 
 
 def test_trim_drops_only_columns_that_are_padding_in_every_row():

@@ -551,13 +551,6 @@ class MergeResult:
     warnings: list[str]
 
 
-def _int_or(value: str | None, default: int) -> int:
-    try:
-        return int(value) if value not in (None, "") else default
-    except ValueError:
-        return default
-
-
 def _ended_at(root: RunRoot, case_dir: str) -> str:
     status = read_status(root.path / case_dir) or {}
     return str(status.get("ended_at") or "")
@@ -572,10 +565,10 @@ def merge(
 
     For each case the latest completed attempt wins (by status ``ended_at``, later run roots winning ties); a
     case never completed keeps the attempt that recorded the most steps (the latest of those), so the table
-    shows what is missing and the most that was measured. Rows are ordered by the
-    first run root's matrix order, then cases only other roots have. ``case_dir`` is rewritten relative to the
-    output file's directory. A case whose config_hash differs between run roots is an error naming both roots,
-    unless ``force`` (then the winner's row is kept and a warning returned).
+    shows what is missing and the most that was measured. Rows are ordered by the first run root's matrix order,
+    then cases only other roots have. ``case_dir`` is rewritten relative to the output file's directory. A case
+    whose config_hash differs between run roots is an error naming both roots, unless ``force`` (then the
+    winner's row is kept and a warning returned).
     """
     if not run_roots:
         raise ValueError("merge needs at least one run root")
@@ -606,7 +599,7 @@ def merge(
             return (_ended_at(c[1], c[2]["case_dir"]), c[0])
 
         def furthest(c: tuple[int, RunRoot, dict[str, str]]) -> tuple[int, str, int]:
-            return (_int_or(c[2].get("steps_completed"), 0), *key(c))
+            return (int(c[2].get("steps_completed") or 0), *key(c))
 
         completed = [c for c in cands if c[2]["status"] == "completed"]
         _, root, row = max(completed, key=key) if completed else max(cands, key=furthest)

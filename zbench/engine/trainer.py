@@ -78,6 +78,14 @@ def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[tor
     return ids, mask
 
 
+def sequence_batch(p_ids: torch.Tensor, p_mask: torch.Tensor, responses: torch.Tensor,
+                   r_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A step's sequences: left-padded prompts, then right-padded responses, with their mask and positions."""
+    attn = torch.cat([p_mask, r_mask], dim=1)
+    return {"input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask}
+
+
 def shard(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
     """Split every tensor of a batch into `parts` equal consecutive row blocks (one per rank)."""
     rows = next(iter(batch.values())).shape[0]
@@ -211,11 +219,7 @@ class Trainer:
             prompts = rollout_shards({"input_ids": p_ids, "attention_mask": p_mask}, dp, tp)
             gen = rollout_outputs(self.policy.call_sharded("generate", prompts, step), tp)
         responses, r_mask = gen["responses"], gen["response_mask"]
-        attn = torch.cat([p_mask, r_mask], dim=1)
-        batch = {
-            "input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask,
-        }
+        batch = sequence_batch(p_ids, p_mask, responses, r_mask)
         if "rollout_log_probs" in gen:
             batch["rollout_log_probs"] = gen["rollout_log_probs"]
         fwd_keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
