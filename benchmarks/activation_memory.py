@@ -25,7 +25,7 @@ import torch
 def _model(layers: int, dtype: torch.dtype, device: str):
     from transformers import Qwen3ForCausalLM
 
-    from zbench.engine.models import qwen3_06b_config
+    from zbench.models import qwen3_06b_config
 
     cfg = qwen3_06b_config()
     cfg.num_hidden_layers = layers

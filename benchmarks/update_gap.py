@@ -99,8 +99,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from zbench.bench import bare_steps
-    from zbench.engine.models import resolve_model
     from zbench.engine.workers import CriticWorker, PolicyWorker, forward_batches, free_port
+    from zbench.models import resolve_model
 
     raw = _config(args)
     model_path = str(resolve_model(args.model))

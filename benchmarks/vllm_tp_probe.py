@@ -46,7 +46,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from zbench.engine.models import resolve_model
+    from zbench.models import resolve_model
 
     path = str(resolve_model(args.model))
     kwargs: dict = {"enforce_eager": args.eager}

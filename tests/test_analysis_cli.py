@@ -163,7 +163,7 @@ def test_report_without_completed_case(tmp_path):
 def test_report_with_a_case_interrupted_before_its_first_step(tmp_path):
     """A matrix stopped while its second case started: the summary (as the harness writes it) leaves that case's
     step count empty, and the report shows it as 0 steps beside the completed one."""
-    from zbench.store import RunRoot
+    from zbench.runroot.root import RunRoot
 
     root = make_run_root(tmp_path, (FakeCase("zero1", 1), FakeCase("zero2", 2, status="interrupted", stop_step=0)),
                          steps=4, device="cuda")

@@ -14,7 +14,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from zbench.memory import MODEL_DIMS, estimate_case, largest_layer_params, model_states, param_count
+from zbench.analyze.memory import MODEL_DIMS, estimate_case, largest_layer_params, model_states, param_count
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_DIMS))
@@ -76,8 +76,8 @@ def test_tiny_dims_match_the_built_model() -> None:
     """The estimator's table for the embedded default must describe the model the engine actually trains."""
     from transformers import AutoModelForCausalLM
 
-    from zbench.engine.models import resolve_model
-    from zbench.memory import MODEL_DIMS, param_count
+    from zbench.analyze.memory import MODEL_DIMS, param_count
+    from zbench.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"))
     assert param_count(MODEL_DIMS["tiny"]) == sum(p.numel() for p in model.parameters())

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from zbench.runread import SUMMARY_COLUMNS, RunRootError, load_run_root, read_metrics, read_summary
+from zbench.runroot.read import SUMMARY_COLUMNS, RunRootError, load_run_root, read_metrics, read_summary
 
 PHASES = ("gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 

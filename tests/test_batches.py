@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from zbench.config import ConfigError, from_dict
-from zbench.engine.models import resolve_model
 from zbench.engine.trainer import left_pad, sequence_batch
 from zbench.engine.workers import (
     PolicyWorker,
@@ -21,6 +20,7 @@ from zbench.engine.workers import (
     shift_padding_right,
     trim_left_padding,
 )
+from zbench.models import resolve_model
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from zbench.config import (
     load_case_config,
     parse_set,
 )
-from zbench.matrix import expand, load_matrix, shipped_matrices
+from zbench.harness.matrix import expand, load_matrix, shipped_matrices
 
 SIX = ["zero1_no_offload", "zero2_no_offload", "zero3_no_offload",
        "zero1_cpu_offload", "zero2_cpu_offload", "zero3_cpu_offload"]

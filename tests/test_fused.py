@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zbench.engine.fused import RMSNormFunction, SiluMulFunction, fuse, is_rms_norm, is_swiglu_mlp
-from zbench.engine.models import qwen3_06b_config
+from zbench.models import qwen3_06b_config
 
 
 def _qwen3(layers: int = 2, small: bool = True, dtype: torch.dtype = torch.float32):

@@ -16,9 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from zbench import launch, store
-from zbench.progress import PlainProgress, make_progress
-from zbench.runner_profile import available_runners, load_runner_profile
+from zbench.harness import launch
+from zbench.harness.progress import PlainProgress, make_progress
+from zbench.harness.runner_profile import available_runners, load_runner_profile
+from zbench.runroot import root as store
 
 FAKE = Path(__file__).parent / "fake_cases"
 CONFIG = "name: x\nalgorithm: grpo\nseed: 1\nsteps: 3\nzero:\n  stage: 2\n  offload: none\n"
@@ -214,7 +215,8 @@ def test_make_progress_plain_when_not_a_terminal() -> None:
 DRIVER = textwrap.dedent(
     """
     import sys
-    from zbench import launch, store
+    from zbench.harness import launch
+    from zbench.runroot import root as store
     root = store.RunRoot.open(sys.argv[1])
     opts = launch.LaunchOptions(command=(sys.executable, sys.argv[2], sys.argv[3]), kill_grace_s=float(sys.argv[4]),
                                 poll_s=0.1)
@@ -308,7 +310,7 @@ def test_options_for_profile() -> None:
 def test_live_progress_table(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from zbench.progress import LiveProgress
+    from zbench.harness.progress import LiveProgress
 
     cdir = tmp_path / "a"
     cdir.mkdir()
@@ -341,7 +343,7 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
 def test_attempt_after_a_checkpoint_keeps_the_metrics(tmp_path):
     """A retried or resumed case with a checkpoint continues its curve: metrics.jsonl stays (and is archived);
     without one, the new attempt starts a fresh file."""
-    from zbench.launch import _prepare_attempt
+    from zbench.harness.launch import _prepare_attempt
 
     case = tmp_path / "case"
     case.mkdir()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zbench import store
-from zbench.store import RunRoot
+from zbench.runroot import root as store
+from zbench.runroot.root import RunRoot
 
 
 class Case:

@@ -10,14 +10,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zbench.data import INSTRUCTION, synthetic_problems
-from zbench.engine.models import (
+from zbench.engine.reward import compute_score
+from zbench.models import (
     TinyRecipe,
     build_tiny,
     build_tokenizer,
     qwen3_06b_config,
     resolve_model,
 )
-from zbench.engine.reward import compute_score
 
 # The real recipe takes minutes on two cores; the mechanics are the same with a few warm-start steps.
 QUICK = TinyRecipe(tokenizer_texts=300, sft_steps=8, sft_batch=8)

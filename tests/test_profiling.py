@@ -89,7 +89,7 @@ def test_phase_busy_time_comes_from_the_device_timeline() -> None:
 def test_report_means_leave_out_the_profiled_step() -> None:
     import pandas as pd
 
-    from zbench.report import steady_steps
+    from zbench.analyze.report import steady_steps
 
     m = pd.DataFrame({"timing_s/step": [9.0, 2.0, 40.0, 4.0], "perf/profiled": [None, None, 1.0, None]},
                      index=pd.Index([1, 2, 3, 4], name="step"))

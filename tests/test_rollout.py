@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from zbench.data import synthetic_problems
-from zbench.engine.models import resolve_model
 from zbench.engine.rollout import (
     GQA_DECODE,
     GraphDecoder,
@@ -20,6 +19,7 @@ from zbench.engine.rollout import (
 )
 from zbench.engine.trainer import left_pad
 from zbench.engine.workers import special_ids
+from zbench.models import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from zbench import store
-from zbench.store import RunRoot
+from zbench.runroot import root as store
+from zbench.runroot.root import RunRoot
 
 
 class Case:
@@ -185,7 +185,7 @@ def test_summary_is_replaced_atomically(tmp_path: Path) -> None:
 
 HOLDER = """
 import sys, time
-from zbench.store import RunRoot
+from zbench.runroot.root import RunRoot
 with RunRoot.open(sys.argv[1]).lock("run"):
     print("locked", flush=True)
     time.sleep(60)
@@ -227,7 +227,7 @@ def test_collect_environment() -> None:
     assert env["versions"]["python"] == sys.version.split()[0]
     assert set(env["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm"}
     assert isinstance(env["gpus"], list) and env["host"] and set(env["git"]) == {"commit", "dirty"}
-    probe = "import sys; from zbench.store import collect_environment; collect_environment(); print(sorted(sys.modules))"
+    probe = "import sys; from zbench.runroot.root import collect_environment; collect_environment(); print(sorted(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
     assert "'torch'" not in loaded and "'deepspeed'" not in loaded and "'ray'" not in loaded  # metadata only
 
@@ -242,7 +242,7 @@ def test_deepspeed_op_compatibility(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_stated_commit_wins_over_a_stale_checkout(monkeypatch):
     """A tree copied to another machine may carry an old .git; ZBENCH_GIT_COMMIT says what actually ran."""
-    from zbench.store import _git_info
+    from zbench.runroot.root import _git_info
 
     monkeypatch.delenv("ZBENCH_GIT_COMMIT", raising=False)
     monkeypatch.delenv("ZBENCH_GIT_DIRTY", raising=False)
@@ -256,7 +256,7 @@ def test_a_stated_commit_wins_over_a_stale_checkout(monkeypatch):
 def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> None:
     """summary.tsv files written before `device_memory_used_gb` existed read back with it empty (store and
     analysis readers alike); any other header is refused."""
-    from zbench.runread import read_summary as read_frame
+    from zbench.runroot.read import read_summary as read_frame
 
     root = make_root(tmp_path, names=("zero3",))
     write_case(root.path / "zero3", "grpo", gpu=True)

@@ -88,7 +88,7 @@ def test_size_buckets_cover_every_parameter_once() -> None:
 def test_kv_cache_fitted_to_one_rollout() -> None:
     """Qwen3-0.6B: 28 layers x 8 KV heads x 128 dims, keys and values in bf16 = 112 KiB per token per GPU (half
     under TP 2); a rollout of 128 sequences of 1024 tokens takes 14 GiB, plus the block vLLM's pool keeps, plus 5%."""
-    from zbench.engine.models import qwen3_06b_config
+    from zbench.models import qwen3_06b_config
 
     cfg = qwen3_06b_config()
     assert kv_bytes_per_token(cfg, 1) == 2 * 28 * 8 * 128 * 2 == 114_688

@@ -123,7 +123,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
 
     from zbench.config import ZeroConfig, effective_offload
     from zbench.engine.ds_config import training_config
-    from zbench.engine.models import resolve_model
+    from zbench.models import resolve_model
 
     zero = ZeroConfig(stage=spec.stage, offload=spec.offload)
     offload = effective_offload(spec.stage, spec.offload)
@@ -256,7 +256,7 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
     trained on (prompt + response, steps 2.. of its metrics); the value head too for PPO's critic. Each distinct
     floor once. Also returns a note for every case left out (no config, or no step recorded)."""
     from zbench.config import ConfigError, load_case_config
-    from zbench.runread import read_metrics
+    from zbench.runroot.read import read_metrics
 
     run_root = Path(run_root)
     if not (run_root / "manifest.json").is_file():
@@ -302,9 +302,9 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
     CUDA-graph decode loop (`graph`). For `graph`, also how far its greedy tokens agree with `generate`'s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from zbench.engine.models import resolve_model
     from zbench.engine.rollout import GraphDecoder
     from zbench.engine.workers import special_ids
+    from zbench.models import resolve_model
 
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")

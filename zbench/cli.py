@@ -51,7 +51,7 @@ def version() -> None:
 @app.command()
 def matrices() -> None:
     """List the shipped matrices: name, number of cases, description."""
-    from zbench.matrix import expand, load_matrix, shipped_matrices
+    from zbench.harness.matrix import expand, load_matrix, shipped_matrices
 
     table = Table("matrix", "cases", "description")
     for name in shipped_matrices():
@@ -70,7 +70,7 @@ def show(
 ) -> None:
     """Show the expanded cases of a matrix with their effective knobs."""
     from zbench.config import effective_offload
-    from zbench.matrix import expand, load_matrix
+    from zbench.harness.matrix import expand, load_matrix
 
     try:
         cases = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_))
@@ -95,7 +95,7 @@ def show(
 def env(ray_address: Annotated[str | None, typer.Option(help="Also report this Ray cluster's status.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Versions, GPUs, DeepSpeed op compatibility and Ray status: what a bug report needs."""
-    from zbench.store import environment_report
+    from zbench.runroot.root import environment_report
 
     report = environment_report(ray_address)
     if as_json:
@@ -127,9 +127,9 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="Expand and validate the cases, print them, run nothing.")] = False,
 ) -> None:
     """Run every case of a matrix, each as its own process, into a new run root."""
-    from zbench.launch import RunInterrupted
-    from zbench.runner_profile import load_runner_profile
-    from zbench.runs import RunRequest, exit_code, plan_cases, run_matrix
+    from zbench.harness.launch import RunInterrupted
+    from zbench.harness.runner_profile import load_runner_profile
+    from zbench.harness.runs import RunRequest, exit_code, plan_cases, run_matrix
 
     try:
         req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
@@ -159,9 +159,9 @@ def resume(
     retries: Annotated[int, typer.Option(help="Extra attempts for transient failures.")] = 1,
 ) -> None:
     """Continue a run root: keep completed cases, rerun the others (from their checkpoint when there is one)."""
-    from zbench.launch import RunInterrupted
-    from zbench.runs import exit_code, resume_run
-    from zbench.store import StoreError
+    from zbench.harness.launch import RunInterrupted
+    from zbench.harness.runs import exit_code, resume_run
+    from zbench.runroot.root import StoreError
 
     try:
         root, statuses = resume_run(run_root, runner=runner, case_timeout_s=case_timeout,
@@ -183,8 +183,8 @@ def merge(
 ) -> None:
     """Combine the summaries of several run roots; the latest completed attempt of each case wins (a case never
     completed: the attempt that got furthest)."""
-    from zbench.store import StoreError
-    from zbench.store import merge as merge_roots
+    from zbench.runroot.root import StoreError
+    from zbench.runroot.root import merge as merge_roots
 
     try:
         result = merge_roots(run_roots, out, force)
@@ -230,7 +230,7 @@ def model(
     spec: Annotated[str, typer.Argument(help="tiny (the embedded default) or qwen3-0.6b (shape preset).")],
 ) -> None:
     """Build an embedded model into the cache now (runs build them on first use) and print its folder."""
-    from zbench.engine.models import resolve_model
+    from zbench.models import resolve_model
 
     try:
         print(resolve_model(spec))

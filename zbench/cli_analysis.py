@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from zbench.runread import RunRootError
+from zbench.runroot.read import RunRootError
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -26,7 +26,7 @@ def plot(
     spec: Annotated[str, typer.Option(help="Plot spec: a name in analysis/ or a YAML path.")] = "plot",
 ) -> None:
     """Draw memory, throughput, score and loss curves of every case (2×2 PNG) and write their TSV."""
-    from zbench.curves import plot_curves
+    from zbench.analyze.curves import plot_curves
 
     try:
         result = plot_curves(run_root, summary, output, metrics_tsv, max_step, spec)
@@ -47,7 +47,7 @@ def report(
     )] = None,
 ) -> None:
     """Write report.md and a self-contained report.html into the run root."""
-    from zbench.report import write_report
+    from zbench.analyze.report import write_report
 
     if floors is not None and not floors.is_file():
         raise _fail(f"--floors: {floors} does not exist; give a file of `zbench bench floor` output lines")
@@ -77,8 +77,8 @@ def compare(
     ] = None,
 ) -> None:
     """Case-by-case deltas of two runs; exit 1 when a threshold is crossed or a case is missing/failed."""
-    from zbench.compare import compare as run_compare
-    from zbench.compare import default_thresholds, parse_fail_on, summary_of
+    from zbench.analyze.compare import compare as run_compare
+    from zbench.analyze.compare import default_thresholds, parse_fail_on, summary_of
 
     try:
         thresholds = parse_fail_on(fail_on) if fail_on else default_thresholds()
@@ -98,7 +98,7 @@ def parity(
     atol: Annotated[float | None, typer.Option(help="Absolute tolerance (default per device, analysis spec).")] = None,
 ) -> None:
     """Check that step-K math metrics agree across the cases of one algorithm; exit 1 naming any that diverge."""
-    from zbench.parity import check_parity
+    from zbench.analyze.parity import check_parity
 
     try:
         result = check_parity(run_root, step, rtol, atol)
@@ -117,8 +117,8 @@ def estimate(
     run_root: Annotated[Path | None, typer.Option("--run-root", help="Estimate the cases of a run root.")] = None,
 ) -> None:
     """Predict per-rank model-state memory of each case (GPU and CPU) from the ZeRO formulas."""
-    from zbench.memory import GIB, estimate_case
-    from zbench.runread import load_run_root, read_case_config
+    from zbench.analyze.memory import GIB, estimate_case
+    from zbench.runroot.read import load_run_root, read_case_config
 
     if (matrix is None) == (run_root is None):
         raise _fail("give either a MATRIX or --run-root")
@@ -127,7 +127,7 @@ def estimate(
             run = load_run_root(run_root)
             configs = [(read_case_config(c.dir), c.dir) for c in run.cases]
         else:
-            from zbench.matrix import expand, load_matrix
+            from zbench.harness.matrix import expand, load_matrix
 
             configs = [(dataclasses.asdict(c.config) | {"name": c.name}, None)
                        for c in expand(load_matrix(matrix))]

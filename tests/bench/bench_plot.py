@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from test_analysis_runroot import FakeCase, make_run_root
 
-from zbench.curves import plot_curves
+from zbench.analyze.curves import plot_curves
 
 CASES = tuple(FakeCase(f"zero{s}_{o}_{a}", s, "none" if o == "nooff" else "cpu", a)
               for a in ("ppo", "grpo") for s in (1, 2, 3) for o in ("nooff", "cpuoff"))

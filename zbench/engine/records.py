@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zbench import store
+from zbench.runroot import root as store
 
 # Dense bf16 peak FLOP/s by GPU name fragment (vendor datasheets), for perf/mfu/actor.
 PEAK_BF16_FLOPS = {

@@ -23,8 +23,8 @@ from zbench.config import ConfigError, RunConfig, effective_offload, load_case_c
 from zbench.engine import algos
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
+from zbench.runroot.root import atomic_write_text
 from zbench.stacks import enable_stack_dumps
-from zbench.store import atomic_write_text
 
 SYNTHETIC_DATA_SEED = 0  # the generated problem set is the same for every case; the case seed orders it
 
@@ -359,8 +359,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         from transformers import AutoConfig, AutoTokenizer
 
-        from zbench.engine.models import resolve_model
         from zbench.engine.workers import special_ids
+        from zbench.models import resolve_model
 
         cfg = self.cfg
         started = time.time()

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from zbench import store
 from zbench.config import ConfigError, RunConfig, dump_yaml, load_case_config
-from zbench.launch import LaunchOptions, options_for_profile, run_cases
-from zbench.matrix import Case, check_name, expand, load_matrix, shipped_matrices
-from zbench.progress import make_progress
-from zbench.runner_profile import RunnerProfile, load_runner_profile
+from zbench.harness.launch import LaunchOptions, options_for_profile, run_cases
+from zbench.harness.matrix import Case, check_name, expand, load_matrix, shipped_matrices
+from zbench.harness.progress import make_progress
+from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
+from zbench.runroot import root as store
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +43,7 @@ def plan_cases(req: RunRequest, profile: RunnerProfile) -> list[Case]:
 
 def prepare_models(specs: set[str], out: TextIO) -> None:
     """Build the embedded models the cases name, once, before any case starts (so no case times out on it)."""
-    from zbench.engine.models import resolve_model
+    from zbench.models import resolve_model
 
     for spec in sorted(specs):
         if not Path(spec).is_dir():

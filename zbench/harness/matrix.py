@@ -21,10 +21,10 @@ import itertools
 import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from zbench import shipped_specs
 from zbench.config import ConfigError, RunConfig, from_dict, read_yaml, set_dotted
 
 MATRIX_KEYS = ("description", "base", "axes", "name", "exclude", "cases")
@@ -55,7 +55,7 @@ class Matrix:
 
 def check_name(value: str, what: str, source: str | None = None) -> str:
     """A case name or tag must be one directory name inside the results directory (the store's rule)."""
-    from zbench.store import validate_name
+    from zbench.runroot.root import validate_name
 
     try:
         return validate_name(value, what)
@@ -65,13 +65,7 @@ def check_name(value: str, what: str, source: str | None = None) -> str:
 
 def matrix_dir() -> Path:
     """Where the shipped matrices live (package data, or the source checkout's `matrices/`)."""
-    try:
-        shipped = resources.files("zbench.matrices")
-        if shipped.is_dir() and any(p.name.endswith(".yaml") for p in shipped.iterdir()):
-            return Path(str(shipped))
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parents[1] / "matrices"
+    return shipped_specs("matrices")
 
 
 def shipped_matrices() -> dict[str, Path]:

@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from zbench.runread import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
+from zbench.runroot.read import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
 # Ten strong colours first, then their light partners: hashing lands on the strong ones as often.
 PALETTE: tuple[str, ...] = (

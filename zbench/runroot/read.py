@@ -16,7 +16,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from zbench import store
+from zbench import shipped_specs
+from zbench.runroot import root as store
 
 SUMMARY_COLUMNS = store.SUMMARY_COLUMNS
 _TEXT_COLUMNS = {"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
@@ -218,17 +219,10 @@ def load_spec(name_or_path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     else:
         fname = f"{name_or_path}.yaml"
-        try:
-            import importlib.resources
-
-            text = (importlib.resources.files("zbench.analysis") / fname).read_text()
-        except (ModuleNotFoundError, FileNotFoundError, OSError):
-            import zbench
-
-            local = Path(zbench.__file__).parents[1] / "analysis" / fname
-            if not local.is_file():
-                raise RunRootError(f"analysis spec {name_or_path!r} not found (no file, no analysis/{fname})") from None
-            text = local.read_text()
+        local = shipped_specs("analysis") / fname
+        if not local.is_file():
+            raise RunRootError(f"analysis spec {name_or_path!r} not found (no file, no analysis/{fname})")
+        text = local.read_text()
     data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise RunRootError(f"analysis spec {name_or_path}: expected a YAML mapping")

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from zbench import shipped_specs
+
 _ADDRESS_RE = re.compile(r"auto|ray://[\w.\-]+:\d+|[\w.\-]+:\d+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -63,8 +65,8 @@ class RunnerProfile:
 
 def runners_dirs() -> list[Path]:
     """Where profiles are looked up: the installed package data, then the source checkout's runners/."""
-    here = Path(__file__).resolve().parent
-    return [d for d in (here / "runners", here.parent / "runners") if d.is_dir()]
+    shipped = shipped_specs("runners")
+    return [shipped] if shipped.is_dir() else []
 
 
 def available_runners() -> list[str]:

@@ -30,8 +30,9 @@ from typing import Any, Protocol
 import psutil
 import yaml
 
-from zbench import stacks, store
-from zbench.runner_profile import RunnerProfile
+from zbench import stacks
+from zbench.harness.runner_profile import RunnerProfile
+from zbench.runroot import root as store
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
 INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
@@ -427,7 +428,7 @@ _ACTIVE: set[_Watch] = set()
 
 
 class Progress(Protocol):
-    """What run_cases reports to (zbench.progress implements it)."""
+    """What run_cases reports to (zbench.harness.progress implements it)."""
 
     def case_started(self, name: str, case_dir: Path, attempt: int, steps_target: int | None) -> None: ...
 

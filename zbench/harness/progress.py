@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from zbench import store
+from zbench.runroot import root as store
 
 _STYLE = {
     "completed": "green", "running": "cyan", "failed": "red", "oom": "magenta", "timeout": "yellow",

@@ -16,9 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from zbench.curves import collect_series, default_names, render_curves
-from zbench.memory import GIB, estimate_case
-from zbench.runread import (
+from zbench.analyze.curves import collect_series, default_names, render_curves
+from zbench.analyze.memory import GIB, estimate_case
+from zbench.runroot.read import (
     RunRoot,
     load_run_root,
     load_spec,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zbench.runread import (
+from zbench.runroot.read import (
     CaseRun,
     RunRoot,
     RunRootError,

@@ -71,7 +71,7 @@ class LockError(StoreError):
 
 
 class CaseLike(Protocol):
-    """What the manifest needs of a case (``zbench.matrix.Case`` satisfies it)."""
+    """What the manifest needs of a case (``zbench.harness.matrix.Case`` satisfies it)."""
 
     @property
     def name(self) -> str: ...

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from zbench.runread import SUMMARY_COLUMNS, RunRootError, load_spec, read_summary
+from zbench.runroot.read import SUMMARY_COLUMNS, RunRootError, load_spec, read_summary
 
 # verl metric names accepted in --fail-on, and the summary column each one is summarised into.
 METRIC_ALIASES: dict[str, str] = {

@@ -1,0 +1,1 @@
+"""Reading run roots: curves, reports, regression gates, parity, and the ZeRO memory model."""

@@ -1,0 +1,1 @@
+"""The harness: matrices into cases, one supervised process per case, runner profiles, live progress."""
