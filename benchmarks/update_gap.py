@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    from zbench.config import from_dict, to_dict
+def _config(args: argparse.Namespace) -> Any:
+    from zbench.config import from_dict
 
     cfg = from_dict({
         "algorithm": "ppo", "seed": 7777, "model": {"path": args.model},
@@ -50,7 +50,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "zero": {"stage": args.stage, "offload": args.offload},
         "trainer": {"world_size": 1, "train_batch_size": args.seqs},
     })
-    return to_dict(cfg)
+    return cfg
 
 
 def _batch(cfg: Any, model_path: str, seqs: int, response_len: int) -> dict[str, torch.Tensor]:
@@ -58,7 +58,8 @@ def _batch(cfg: Any, model_path: str, seqs: int, response_len: int) -> dict[str,
     from transformers import AutoTokenizer
 
     from zbench.data import load_prompts, synthetic_problems
-    from zbench.engine.trainer import PromptStream, left_pad, sequence_batch
+    from zbench.engine.batches import left_pad, sequence_batch
+    from zbench.engine.trainer import PromptStream
 
     tok = AutoTokenizer.from_pretrained(model_path)
     d = cfg.data
@@ -99,18 +100,20 @@ def main() -> int:
     args = ap.parse_args()
 
     from zbench.bench import bare_steps
-    from zbench.engine.workers import CriticWorker, PolicyWorker, forward_batches, free_port
+    from zbench.engine.batches import forward_batches
+    from zbench.engine.cluster import free_port
+    from zbench.engine.workers import CriticWorker, PolicyWorker
     from zbench.models import resolve_model
 
-    raw = _config(args)
+    cfg = _config(args)
     model_path = str(resolve_model(args.model))
     case_dir = tempfile.mkdtemp(prefix="zbench-gap-")
-    actor = PolicyWorker(raw, 0, 1, case_dir, model_path)
+    actor = PolicyWorker(cfg, 0, 1, case_dir, model_path)
     actor.join("127.0.0.1", free_port())
     actor.setup()
-    critic = CriticWorker(raw, 0, 1, case_dir, model_path)
+    critic = CriticWorker(cfg, 0, 1, case_dir, model_path)
     critic.setup()
-    cfg, on_cuda = actor.cfg, actor.on_cuda
+    on_cuda = actor.on_cuda
     batch = _batch(cfg, model_path, args.seqs, args.response_len)
     batch.update(actor.compute_log_prob(batch))
     batch.update(critic.compute_values(batch))

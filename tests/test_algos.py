@@ -64,6 +64,34 @@ def test_grpo_advantages_by_hand():
     close(adv_raw, [[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.5]])
 
 
+def test_rloo_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.5])
+    groups = torch.tensor([4, 4, 4, 8, 9])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 1], [1, 1]])
+    adv, ret = algos.compute_rloo_advantages(scores, groups, mask)
+    # group 4: each score minus the mean of the two others; group 8 and 9 have one sample: no baseline
+    expected = [[1 - 0.25, 1 - 0.25], [0 - 0.75, 0.0], [0.0, 0.0], [0.0, 2.0], [0.5, 0.5]]
+    close(adv, expected)
+    close(ret, adv)
+
+
+def test_compute_advantages_picks_the_estimator():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.5]])
+    mask = torch.ones(3, 2)
+    groups = torch.tensor([0, 0, 0])
+    values = torch.zeros(3, 2)
+    close(algos.compute_advantages("gae", rewards, mask, values=values)[0],
+          algos.compute_gae(rewards, values, mask, 1.0, 1.0)[0])
+    close(algos.compute_advantages("grpo", rewards, mask, group_ids=groups)[0],
+          algos.compute_grpo_advantages(rewards.sum(-1), groups, mask)[0])
+    close(algos.compute_advantages("rloo", rewards, mask, group_ids=groups)[0],
+          algos.compute_rloo_advantages(rewards.sum(-1), groups, mask)[0])
+    with pytest.raises(ValueError, match="needs the critic's values"):
+        algos.compute_advantages("gae", rewards, mask)
+    with pytest.raises(ValueError, match="unknown adv_estimator"):
+        algos.compute_advantages("vtrace", rewards, mask, group_ids=groups)
+
+
 def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
     close(algos.kl_penalty(lp, ref, "k1"), [0.5])

@@ -218,14 +218,14 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
         floor, {**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0}, {**floor, "stage": 3})))
     assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
     assert "no value-head floor was measured" in (root / "report.md").read_text()
-    # a floor run with the case's own model code wins over a later one with the other: these configs predate
-    # `model.fused_ops`, so their cases ran Hugging Face's own modules
+    # a floor run with the case's own model code wins over a later, faster one with the other: these cases ran
+    # with `model.fused_ops` on (the default their config.yaml records)
     floors.write_text("".join(json.dumps(f) + "\n" for f in (
-        {**floor, "fused_ops": False, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": True})))
+        {**floor, "fused_ops": True, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": False})))
     assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
     assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     # repeats of one floor: the fastest is the floor, whichever came last
-    floors.write_text("".join(json.dumps({**floor, "fused_ops": False, "tokens_per_s_per_gpu": rate}) + "\n"
+    floors.write_text("".join(json.dumps({**floor, "fused_ops": True, "tokens_per_s_per_gpu": rate}) + "\n"
                               for rate in (11111.0, 13579.0, 12000.0)))
     assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
     assert "| 13,579 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]

@@ -15,6 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from zbench.analyze.memory import MODEL_DIMS, estimate_case, largest_layer_params, model_states, param_count
+from zbench.config import from_dict
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_DIMS))
@@ -64,11 +65,15 @@ def test_stage_ordering_and_case_extras():
     with pytest.raises(ValueError, match="nothing to offload"):
         model_states(n, big, 0, "cpu", 4)
     cfg = {"name": "z3", "algorithm": "ppo", "model": {"path": "qwen3-0.6b"},
-           "zero": {"stage": 3, "offload": "none"}, "trainer": {"world_size": 4, "device": "cuda"}}
-    est = estimate_case(cfg)
+           "zero": {"stage": 3, "offload": "none"},
+           "trainer": {"world_size": 4, "device": "cuda", "train_batch_size": 16},
+           "actor": {"ppo_mini_batch_size": 16, "micro_batch_size_per_gpu": 4},
+           "critic": {"micro_batch_size_per_gpu": 4}}
+    est = estimate_case(from_dict(cfg), name="z3")
     assert est.precision == "bf16" and est.critic is not None
     assert est.gpu_bytes == 2 * est.actor.gpu + 2 * n + 2 * n  # actor, critic, reference, replica
-    grpo = estimate_case(cfg | {"algorithm": "grpo", "zero": {"stage": 3, "offload": "cpu"}})
+    grpo = estimate_case(from_dict(cfg | {"algorithm": "grpo", "zero": {"stage": 3, "offload": "cpu"},
+                                          "rollout": {"n": 2}}))
     assert grpo.critic is None and not grpo.replica_on_gpu and grpo.cpu_bytes > 2 * n
 
 

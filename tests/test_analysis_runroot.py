@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
+from zbench.config import dump_yaml, from_dict
 from zbench.runroot.read import SUMMARY_COLUMNS, RunRootError, load_run_root, read_metrics, read_summary
 
 PHASES = ("gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
@@ -107,11 +107,11 @@ def make_run_root(parent: Path, cases: tuple[FakeCase, ...] = SIX_CASES, steps: 
         cdir = root / case.name
         cdir.mkdir()
         config = {"name": case.name, "algorithm": case.algorithm, "seed": seed, "steps": steps,
-                  "model": {"path": model}, "data": {"train_batch_size": 8},
-                  "rollout": {"backend": "hf", "n": 4}, "actor": {"lr": 1e-6}, "critic": {"lr": 1e-5},
-                  "algo": {"gamma": 1.0, "lam": 0.95}, "zero": {"stage": case.stage, "offload": case.offload},
-                  "reward": {"kind": "gsm8k"}, "trainer": {"world_size": world_size, "device": device}}
-        config_text = yaml.safe_dump(config, sort_keys=False)
+                  "model": {"path": model}, "rollout": {"backend": "hf", "n": 4}, "actor": {"lr": 1e-6},
+                  "critic": {"lr": 1e-5}, "algo": {"gamma": 1.0, "lam": 0.95},
+                  "zero": {"stage": case.stage, "offload": case.offload},
+                  "trainer": {"world_size": world_size, "device": device}}
+        config_text = dump_yaml(from_dict(config))  # a config the engine would accept, as the harness writes it
         (cdir / "config.yaml").write_text(config_text)
         last = steps if case.status == "completed" else (case.stop_step or 0)
         rng = np.random.default_rng(seed + i)
@@ -135,7 +135,7 @@ def make_run_root(parent: Path, cases: tuple[FakeCase, ...] = SIX_CASES, steps: 
                 "rollout_backend": "hf", "world_size": world_size, "wall_s": 5.0 * steps,
                 "versions": manifest["versions"], "device": device,
                 "gpu_name": None if device == "cpu" else "NVIDIA H100 80GB HBM3"})
-        m = read_metrics(cdir / "metrics.jsonl")
+        m = read_metrics(cdir)
         later = m[m.index >= 2] if len(m) >= 2 else m
         loss = "critic/vf_loss" if case.algorithm == "ppo" else "actor/pg_loss"
 
@@ -204,9 +204,9 @@ def test_torn_last_line_is_skipped_and_middle_garbage_warned(tmp_path):
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], "{garbage", *lines[1:]]) + '\n{"step": 5, "critic/sc')
     warnings: list[str] = []
-    df = read_metrics(path, warnings)
+    df = read_metrics(path.parent, warnings)
     assert list(df.index) == [1, 2, 3, 4]
-    assert len(warnings) == 1 and ":2:" in warnings[0]
+    assert warnings == [f"{path}: 1 unreadable line(s) skipped"]
 
 
 def test_missing_and_unknown_columns(tmp_path):

@@ -10,16 +10,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from zbench.config import ConfigError, from_dict
-from zbench.engine.trainer import left_pad, sequence_batch
-from zbench.engine.workers import (
-    PolicyWorker,
+from zbench.engine.batches import (
     forward_batches,
+    left_pad,
     micro_batches,
-    model_outputs,
-    response_decoder,
+    sequence_batch,
     shift_padding_right,
     trim_left_padding,
 )
+from zbench.engine.workers import PolicyWorker, model_outputs, response_decoder
 from zbench.models import resolve_model
 
 

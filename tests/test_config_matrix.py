@@ -96,7 +96,7 @@ def test_round_trip_and_effective_offload(tmp_path: Path) -> None:
     ("axes: {a: {x: {}}}\nname: '{b}'\n", r"template '\{b\}' uses \['b'\], not axes of this matrix"),
     ("axes: {a: {'../x': {}}}\n", r"invalid case name '\.\./x': use 1-128 characters"),
     ("axes: {a: {x: {zero.stage: 0, zero.offload: cpu}}}\n", r"stage 0 \(DDP\) has no ZeRO-partitioned state"),
-    ("base: {algorithm: grpo}\naxes: {a: {x: {}}}\n", r"rollout.n: GRPO compares samples within a group"),
+    ("base: {algorithm: grpo}\naxes: {a: {x: {}}}\n", r"rollout.n: the grpo estimator compares samples within a group"),
     ("base: {trainer: {world_size: 3}}\naxes: {a: {x: {}}}\n", r"cannot be split into micro-batches of 4 on each of 3"),
     ("axes: [1, 2\n", r"malformed YAML: line 2, column 1"),
 ])
@@ -138,3 +138,16 @@ def test_cli_reports_bad_input_without_traceback(tmp_path: Path) -> None:
     assert res.returncode == 0 and res.stdout.splitlines()[0].startswith("zero1_no_offload\t")
     res = zbench("resume", str(tmp_path / "missing"))
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_adv_estimator_decides_the_critic() -> None:
+    """`algo.adv_estimator` picks the estimator; only GAE trains a critic (and splits its micro-batches)."""
+    assert from_dict({"algorithm": "ppo"}).adv_estimator == "gae" and from_dict({"algorithm": "ppo"}).needs_critic
+    grpo = from_dict({"algorithm": "grpo", "rollout": {"n": 4}})
+    assert grpo.adv_estimator == "grpo" and not grpo.needs_critic
+    rloo = from_dict({"algorithm": "ppo", "algo": {"adv_estimator": "rloo"}, "rollout": {"n": 2}})
+    assert rloo.adv_estimator == "rloo" and not rloo.needs_critic and "critic" not in rloo.batch_plan().grad_accum
+    with pytest.raises(ConfigError, match=r"rollout.n: the rloo estimator compares samples within a group"):
+        from_dict({"algo": {"adv_estimator": "rloo"}})
+    with pytest.raises(ConfigError, match=r"algo.adv_estimator: 'vtrace' is not one of 'auto', 'gae', 'grpo', 'rloo'"):
+        from_dict({"algo": {"adv_estimator": "vtrace"}})

@@ -16,13 +16,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from zbench.config import dump_yaml, from_dict
 from zbench.harness import launch
 from zbench.harness.progress import PlainProgress, make_progress
 from zbench.harness.runner_profile import available_runners, load_runner_profile
-from zbench.runroot import root as store
+from zbench.runroot import casedir, summary
+from zbench.runroot.root import RunRoot
 
 FAKE = Path(__file__).parent / "fake_cases"
-CONFIG = "name: x\nalgorithm: grpo\nseed: 1\nsteps: 3\nzero:\n  stage: 2\n  offload: none\n"
+CONFIG = from_dict({"name": "x", "algorithm": "grpo", "seed": 1, "steps": 3, "rollout": {"n": 2},
+                    "zero": {"stage": 2, "offload": "none"}})
 
 
 def fake(script: str, *args: str) -> list[str]:
@@ -32,7 +35,7 @@ def fake(script: str, *args: str) -> list[str]:
 def run(tmp_path: Path, script: str, *args: str, **kw) -> dict:
     cdir = tmp_path / "case"
     cdir.mkdir(exist_ok=True)
-    (cdir / "config.yaml").write_text(CONFIG)
+    (cdir / "config.yaml").write_text(dump_yaml(CONFIG))
     opts = {"case_timeout_s": None, "step_timeout_s": None, "attempt": 1, "kill_grace_s": 1.0, "poll_s": 0.1}
     opts.update(kw)
     return launch.run_case(cdir, fake(script, *args, str(cdir)), {}, **opts)
@@ -53,7 +56,7 @@ def assert_gone(pids: list[int]) -> None:
 def test_completed(tmp_path: Path) -> None:
     status = run(tmp_path, "ok")
     assert status["status"] == "completed" and status["exit_code"] == 0 and status["last_step"] == 3
-    assert status == store.read_status(tmp_path / "case")
+    assert status == casedir.read_status(tmp_path / "case")
     assert "step:3 - critic/score/mean:0.300" in (tmp_path / "case" / "train.log").read_text()
 
 
@@ -86,8 +89,8 @@ def test_a_timeout_prints_where_a_ray_worker_hung(tmp_path: Path) -> None:
     assert "the stacks of its 2 Python processes follow" in log
     dump = log.split("Python processes follow")[1]
     assert "waiting_for_worker" in dump and "stuck_in_worker" in dump
-    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))
-    shutil.rmtree(launch.ray_tmpdir_for(cdir), ignore_errors=True)
+    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 
 def test_case_timeout(tmp_path: Path) -> None:
@@ -123,20 +126,20 @@ def test_leftover_daemons_are_killed(tmp_path: Path) -> None:
     assert status["status"] == "completed"
     pids = [int(p) for p in (tmp_path / "case" / "pids").read_text().split()]
     assert_gone(pids)
-    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(tmp_path / "case")))
+    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(tmp_path / "case")))
 
 
 def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
     deep = tmp_path / ("x" * 60) / "zero3_cpu_offload"
-    assert len(str(launch.ray_tmpdir_for(deep))) <= 40
-    assert launch.ray_tmpdir_for(deep) == launch.ray_tmpdir_for(deep) != launch.ray_tmpdir_for(tmp_path)
+    assert len(str(casedir.ray_tmpdir(deep))) <= 40
+    assert casedir.ray_tmpdir(deep) == casedir.ray_tmpdir(deep) != casedir.ray_tmpdir(tmp_path)
 
 
 def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path) -> None:
     cdir = tmp_path / "case"
     cdir.mkdir()
     marker = tmp_path / "elsewhere-ray"
-    (cdir / launch.RAY_TMPDIR_FILE).write_text(f"{marker}\n")
+    (cdir / casedir.RAY_TMPDIR_FILE).write_text(f"{marker}\n")
     daemon = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)", f"--temp-dir={marker}"], start_new_session=True
     )
@@ -148,12 +151,12 @@ def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path) -> None:
         daemon.kill()
 
 
-def make_root(tmp_path: Path, names: list[str]) -> store.RunRoot:
+def make_root(tmp_path: Path, names: list[str]) -> RunRoot:
     class C:
         def __init__(self, name: str) -> None:
             self.name, self.overrides = name, {}
 
-    return store.RunRoot.create(
+    return RunRoot.create(
         tmp_path,
         "t",
         matrix="m",
@@ -176,7 +179,7 @@ def test_retries_only_transient_failures(tmp_path: Path) -> None:
     [flaky] = launch.run_cases(root, [("a", CONFIG)], options("flaky", retries=1))
     assert flaky["status"] == "completed" and flaky["attempt"] == 2
     assert (root.path / "a" / "metrics.attempt1.jsonl").is_file()
-    assert [r["step"] for r in store.read_metrics(root.path / "a" / "metrics.jsonl").records] == [1, 2, 3]
+    assert [r["step"] for r in casedir.read_metrics(root.path / "a").records] == [1, 2, 3]
     for script, status in (("config_error", "failed"), ("cuda_oom", "oom")):
         root = make_root(tmp_path / script, ["a"])
         [st] = launch.run_cases(root, [("a", CONFIG)], options(script, retries=3))
@@ -201,7 +204,7 @@ def test_run_cases_resume_skips_completed_and_writes_summary(tmp_path: Path) -> 
     again = launch.run_cases(root, [("a", CONFIG), ("b", CONFIG)], options("crash"))
     assert [s["status"] for s in again] == ["completed", "completed"]
     assert (root.path / "a" / "status.json").stat().st_mtime_ns == mtime
-    rows = store.read_summary(root.path / "summary.tsv")
+    rows = summary.read_summary(root.path / "summary.tsv")
     assert [(r["case"], r["status"], r["steps_completed"]) for r in rows] == [("a", "completed", "3")] * 1 + [
         ("b", "completed", "3")
     ]
@@ -215,13 +218,14 @@ def test_make_progress_plain_when_not_a_terminal() -> None:
 DRIVER = textwrap.dedent(
     """
     import sys
+    from zbench.config import load_case_config
     from zbench.harness import launch
-    from zbench.runroot import root as store
-    root = store.RunRoot.open(sys.argv[1])
+    from zbench.runroot.root import RunRoot
+    root = RunRoot.open(sys.argv[1])
     opts = launch.LaunchOptions(command=(sys.executable, sys.argv[2], sys.argv[3]), kill_grace_s=float(sys.argv[4]),
                                 poll_s=0.1)
     try:
-        launch.run_cases(root, [("a", open(sys.argv[5]).read()), ("b", open(sys.argv[5]).read())], opts)
+        launch.run_cases(root, [("a", load_case_config(sys.argv[5])), ("b", load_case_config(sys.argv[5]))], opts)
     except launch.RunInterrupted as e:
         sys.exit(e.exit_code)
     """
@@ -232,7 +236,7 @@ DRIVER = textwrap.dedent(
 def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int) -> None:
     root = make_root(tmp_path, ["a", "b"])
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(dump_yaml(CONFIG))
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(root.path), str(FAKE / "spawner.py"), mode, str(grace), str(cfg)]
     )
@@ -250,9 +254,9 @@ def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int)
     assert driver.wait(timeout=15) == 130
     assert time.monotonic() - t0 < grace  # a second SIGINT does not wait out the grace period
     assert_gone(pids + engine)
-    assert store.read_status(cdir)["status"] == "interrupted"
-    assert store.read_status(root.path / "b") is None
-    rows = store.read_summary(root.path / "summary.tsv")
+    assert casedir.read_status(cdir)["status"] == "interrupted"
+    assert casedir.read_status(root.path / "b") is None
+    rows = summary.read_summary(root.path / "summary.tsv")
     assert [(r["case"], r["status"]) for r in rows] == [("a", "interrupted"), ("b", "pending")]
     assert not (root.path / "lock").exists() and root.manifest["ended_at"]
     # Every config.yaml was written up front, so the run resumes from the run root alone.
@@ -287,7 +291,7 @@ def test_status_json_keys(tmp_path: Path) -> None:
     assert set(status) == {
         "status", "attempt", "exit_code", "reason", "last_step", "started_at", "ended_at", "warnings",
     }  # fmt: skip
-    assert os.path.basename(store.SUMMARY) == "summary.tsv"
+    assert os.path.basename(summary.SUMMARY) == "summary.tsv"
 
 
 def test_reason_and_patterns() -> None:
@@ -336,8 +340,8 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
     log = (cdir / "train.log").read_text()
     worker = int(log.split("worker pid ")[1].split()[0])
     assert_gone([worker])
-    assert not launch.processes_mentioning(str(launch.ray_tmpdir_for(cdir)))
-    shutil.rmtree(launch.ray_tmpdir_for(cdir), ignore_errors=True)
+    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 
 def test_attempt_after_a_checkpoint_keeps_the_metrics(tmp_path):
@@ -353,7 +357,7 @@ def test_attempt_after_a_checkpoint_keeps_the_metrics(tmp_path):
     assert not (case / "metrics.jsonl").exists() and (case / "metrics.attempt1.jsonl").exists()
     assert not (case / "result.json").exists() and (case / "result.attempt1.json").exists()
     (case / "ckpt").mkdir()
-    (case / "ckpt" / "state.json").write_text('{"step": 2}')
+    (case / "ckpt" / "state.json").write_text('{"step": 2, "tag": "step_2", "seed": 1}')
     (case / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     _prepare_attempt(case, 3)
     assert (case / "metrics.jsonl").read_text() == (case / "metrics.attempt2.jsonl").read_text()

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from zbench.runroot import root as store
+from zbench.runroot import casedir, summary
+from zbench.runroot.casedir import RunRootError
+from zbench.runroot.merge import merge
 from zbench.runroot.root import RunRoot
 
 
@@ -29,11 +31,11 @@ def put(root: RunRoot, name: str, status: str, ended_at: str, steps: int = 3, ex
     (cdir / "metrics.jsonl").write_text(
         "".join(f'{{"step": {n}, "critic/score/mean": {n / 10}}}\n' for n in range(1, steps + 1))
     )
-    store.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0 if status == "completed" else 1,
+    casedir.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0 if status == "completed" else 1,
                               "reason": "" if status == "completed" else "RuntimeError: x", "last_step": steps,
                               "started_at": ended_at, "ended_at": ended_at, "warnings": []})  # fmt: skip
     if status == "completed":
-        store.atomic_write_json(cdir / "result.json", {"steps_completed": 3, "steps_target": 3})
+        casedir.atomic_write_json(cdir / "result.json", {"steps_completed": 3, "steps_target": 3})
 
 
 def test_latest_completed_wins_in_first_roots_order(tmp_path: Path) -> None:
@@ -45,19 +47,19 @@ def test_latest_completed_wins_in_first_roots_order(tmp_path: Path) -> None:
     put(rerun, "b", "completed", "2026-01-02T00:00:00Z")
     put(rerun, "a", "failed", "2026-01-02T00:01:00Z", steps=1)  # a later failure does not beat a completion
     put(rerun, "d", "completed", "2026-01-02T00:02:00Z")
-    result = store.merge([first.path, rerun.path])
+    result = merge([first.path, rerun.path])
     assert result.path == first.path / "summary_complete.tsv" and result.warnings == []
-    rows = store.read_summary(result.path)
+    rows = summary.read_summary(result.path)
     assert [(r["case"], r["status"], r["steps_completed"]) for r in rows] == [
         ("a", "completed", "3"), ("b", "completed", "3"), ("c", "failed", "2"), ("d", "completed", "3"),
     ]  # fmt: skip
     assert rows[0]["case_dir"] == "a" and rows[1]["case_dir"] == f"../{rerun.path.name}/b"
     assert (result.path.parent / rows[1]["case_dir"] / "status.json").is_file()
     out = tmp_path / "elsewhere" / "all.tsv"
-    assert [r["case_dir"] for r in store.merge([first.path, rerun.path], out).rows][:2] == [
+    assert [r["case_dir"] for r in merge([first.path, rerun.path], out).rows][:2] == [
         f"../{first.path.name}/a", f"../{rerun.path.name}/b",
     ]  # fmt: skip
-    moved = store.read_summary(out)
+    moved = summary.read_summary(out)
     assert (out.parent / moved[1]["case_dir"] / "status.json").is_file()
 
 
@@ -66,7 +68,7 @@ def test_two_completions_latest_wins(tmp_path: Path) -> None:
     put(first, "a", "completed", "2026-01-03T00:00:00Z")
     second = make_root(tmp_path, ["a"])
     put(second, "a", "completed", "2026-01-02T00:00:00Z")
-    [row] = store.merge([second.path, first.path]).rows
+    [row] = merge([second.path, first.path]).rows
     assert row["case_dir"] == f"../{first.path.name}/a"  # ended later, though listed first
 
 
@@ -77,7 +79,7 @@ def test_never_completed_keeps_the_attempt_with_the_most_steps(tmp_path: Path) -
     second = make_root(tmp_path, ["a", "b"])
     put(second, "a", "interrupted", "2026-01-02T00:00:00Z", steps=1)  # later, but got less far
     put(second, "b", "failed", "2026-01-02T00:01:00Z", steps=1)  # as far: the later one
-    rows = store.merge([first.path, second.path]).rows
+    rows = merge([first.path, second.path]).rows
     assert [(r["case_dir"], r["steps_completed"]) for r in rows] == [("a", "2"), (f"../{second.path.name}/b", "1")]
 
 
@@ -86,16 +88,16 @@ def test_config_conflict_is_an_error_unless_forced(tmp_path: Path) -> None:
     put(first, "a", "failed", "2026-01-01T00:00:00Z")
     second = make_root(tmp_path, ["a"])
     put(second, "a", "completed", "2026-01-02T00:00:00Z", extra="zero:\n  stage: 3\n")
-    with pytest.raises(store.StoreError, match="case 'a' has different configs") as err:
-        store.merge([first.path, second.path])
+    with pytest.raises(RunRootError, match="case 'a' has different configs") as err:
+        merge([first.path, second.path])
     assert str(first.path) in str(err.value) and str(second.path) in str(err.value)
     assert "--force" in str(err.value) and not (first.path / "summary_complete.tsv").exists()
-    forced = store.merge([first.path, second.path], force=True)
+    forced = merge([first.path, second.path], force=True)
     assert len(forced.warnings) == 1 and forced.rows[0]["status"] == "completed"
 
 
 def test_merge_needs_run_roots(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one run root"):
-        store.merge([])
-    with pytest.raises(store.StoreError, match="is not a run root"):
-        store.merge([tmp_path])
+        merge([])
+    with pytest.raises(RunRootError, match="is not a run root"):
+        merge([tmp_path])

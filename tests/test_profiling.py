@@ -86,16 +86,17 @@ def test_phase_busy_time_comes_from_the_device_timeline() -> None:
     assert "update_critic" in render([critic, actor], "", "t").splitlines()[3]
 
 
-def test_report_means_leave_out_the_profiled_step() -> None:
-    import pandas as pd
+def test_steady_steps_leave_out_warm_up_and_the_profiled_step() -> None:
+    """The one steady-state rule, used by summary.tsv's means and the report's phase tables alike."""
+    from zbench.runroot.summary import steady_records
 
-    from zbench.analyze.report import steady_steps
-
-    m = pd.DataFrame({"timing_s/step": [9.0, 2.0, 40.0, 4.0], "perf/profiled": [None, None, 1.0, None]},
-                     index=pd.Index([1, 2, 3, 4], name="step"))
-    assert list(steady_steps(m, 2).index) == [2, 4]
-    assert list(steady_steps(m.drop(columns="perf/profiled"), 2).index) == [2, 3, 4]
-    assert list(steady_steps(m.loc[[3]], 2).index) == [3]  # only the profiled step: kept
+    recs = [{"step": 1, "t": 9.0}, {"step": 2, "t": 2.0}, {"step": 3, "t": 40.0, "perf/profiled": 1.0},
+            {"step": 4, "t": 4.0}]
+    assert [r["step"] for r in steady_records(recs)] == [2, 4]
+    assert [r["step"] for r in steady_records([{k: v for k, v in r.items() if k != "perf/profiled"} for r in recs])] \
+        == [2, 3, 4]
+    assert [r["step"] for r in steady_records(recs[2:3])] == [3]  # only the profiled step: kept
+    assert [r["step"] for r in steady_records(recs[:1])] == [1]  # only the warm-up step: kept
 
 
 def test_profile_step_past_the_last_step_is_refused() -> None:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from zbench.data import synthetic_problems
+from zbench.engine.batches import left_pad
 from zbench.engine.rollout import (
     GQA_DECODE,
     GraphDecoder,
@@ -17,9 +18,7 @@ from zbench.engine.rollout import (
     sample_tokens,
     use_gqa_decode_attention,
 )
-from zbench.engine.trainer import left_pad
-from zbench.engine.workers import special_ids
-from zbench.models import resolve_model
+from zbench.models import resolve_model, special_ids
 
 
 @pytest.fixture(scope="module")

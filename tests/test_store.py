@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from zbench.runroot import root as store
-from zbench.runroot.root import RunRoot
+from zbench import env
+from zbench.runroot import casedir, summary
+from zbench.runroot.casedir import RunRootError
+from zbench.runroot.root import LockError, RunRoot
 
 
 class Case:
@@ -60,9 +62,9 @@ def test_create_and_open(tmp_path: Path) -> None:
     assert RunRoot.open(root.path).update_manifest(ended_at="x")["ended_at"] == "x"
     second = make_root(tmp_path)  # same second: a fresh directory, never a shared one
     assert second.path != root.path
-    with pytest.raises(store.StoreError, match="does not exist"):
+    with pytest.raises(RunRootError, match="does not exist"):
         RunRoot.open(tmp_path / "nope")
-    with pytest.raises(store.StoreError, match=r"is not a run root: it has no manifest\.json"):
+    with pytest.raises(RunRootError, match=r"is not a run root: it has no manifest\.json"):
         RunRoot.open(tmp_path)
     with pytest.raises(ValueError, match="duplicate case names"):
         make_root(tmp_path, names=["a", "a"])
@@ -71,9 +73,9 @@ def test_create_and_open(tmp_path: Path) -> None:
 def test_read_metrics_skips_torn_last_line(tmp_path: Path) -> None:
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')
-    records, skipped = store.read_metrics(p)
-    assert [r["step"] for r in records] == [1, 2] and skipped == 1
-    assert store.read_metrics(tmp_path / "absent.jsonl") == ([], 0)
+    records, skipped, torn = casedir.read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and skipped == 1 and torn
+    assert casedir.read_metrics(tmp_path / "absent") == ([], 0, False)
 
 
 def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str = "completed", config_extra: str = "",
@@ -81,7 +83,8 @@ def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str =
     cdir.mkdir(parents=True, exist_ok=True)
     (cdir / "config.yaml").write_text(
         f"name: {cdir.name}\nalgorithm: {algorithm}\nseed: 7\nsteps: {steps}\n"
-        f"zero:\n  stage: 2\n  offload: cpu\nrollout:\n  backend: hf\n{config_extra}"
+        f"zero:\n  stage: 2\n  offload: cpu\nrollout:\n  backend: hf\n  n: {4 if algorithm == 'grpo' else 1}\n"
+        f"{config_extra}"
     )
     with (cdir / "metrics.jsonl").open("w") as f:
         for n in range(1, steps + 1):
@@ -91,10 +94,10 @@ def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str =
             if gpu:
                 rec["perf/max_memory_allocated_gb"] = 10.0 * n
             f.write(json.dumps(rec) + "\n")
-    store.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0, "reason": "", "last_step": steps,
+    casedir.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0, "reason": "", "last_step": steps,
                               "started_at": ended_at, "ended_at": ended_at, "warnings": []})  # fmt: skip
     if status == "completed":
-        store.atomic_write_json(cdir / "result.json", {"steps_completed": steps, "steps_target": steps,
+        casedir.atomic_write_json(cdir / "result.json", {"steps_completed": steps, "steps_target": steps,
             "offload_effective": "optimizer", "rollout_backend": "hf", "world_size": 2, "wall_s": 15.5})  # fmt: skip
 
 
@@ -102,20 +105,20 @@ def test_summary_rows(tmp_path: Path) -> None:
     root = make_root(tmp_path)
     write_case(root.path / "zero2_cpu_offload", "ppo")
     write_case(root.path / "zero3", "grpo", gpu=True)
-    status = store.read_status(root.path / "zero3")
-    store.write_status(root.path / "zero3", {**status, "reason": 'ValueError: "x"\tin\nzero.stage'})
+    status = casedir.read_status(root.path / "zero3")
+    casedir.write_status(root.path / "zero3", {**status, "reason": 'ValueError: "x"\tin\nzero.stage'})
     with (root.path / "zero3" / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "critic/sco')  # a torn line must not break the summary
     path = root.write_summary()
     lines = path.read_text().splitlines()
-    assert lines[0].split("\t") == list(store.SUMMARY_COLUMNS)
+    assert lines[0].split("\t") == list(summary.SUMMARY_COLUMNS)
     assert lines[0] == (
         "case\talgorithm\tzero_stage\toffload\toffload_effective\trollout_backend\tworld_size\tseed\tstatus\t"
         "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
         "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
         "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb"
     )
-    ppo, grpo = store.read_summary(path)
+    ppo, grpo = summary.read_summary(path)
     assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
     assert ppo["offload"] == "cpu" and ppo["offload_effective"] == "optimizer" and ppo["world_size"] == "2"
     assert ppo["step_time_mean_s"] == "3" and ppo["throughput_mean"] == "15"  # steps 2..N only
@@ -124,7 +127,7 @@ def test_summary_rows(tmp_path: Path) -> None:
     assert ppo["max_memory_allocated_gb"] == "" and ppo["mfu_mean"] == "" and ppo["cpu_memory_used_gb"] == "4"
     assert grpo["max_memory_allocated_gb"] == "30" and grpo["reason"] == 'ValueError: "x" in zero.stage'
     text = (root.path / "zero3" / "config.yaml").read_text()
-    assert grpo["config_hash"] == store.config_hash(text) and len(grpo["config_hash"]) == 12
+    assert grpo["config_hash"] == summary.config_hash(text) and len(grpo["config_hash"]) == 12
     assert (
         ppo["case_dir"] == "zero2_cpu_offload"
         and ppo["steps_completed"] == "3"
@@ -199,7 +202,7 @@ def test_lock_refuses_live_holder_and_takes_over_stale(tmp_path: Path) -> None:
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(store.LockError, match=rf"in use by pid {holder.pid} on host"):
+        with pytest.raises(LockError, match=rf"in use by pid {holder.pid} on host"):
             root.lock("resume").acquire()
     finally:
         holder.kill()
@@ -209,25 +212,25 @@ def test_lock_refuses_live_holder_and_takes_over_stale(tmp_path: Path) -> None:
     with root.lock("resume") as lock:
         info = json.loads(lock.path.read_text())
         assert info["pid"] == os.getpid() and info["command"] == "resume" and info["host"]
-        with pytest.raises(store.LockError, match=f"pid {os.getpid()}"):
+        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
             root.lock().acquire()
     assert not (root.path / "lock").exists()
 
 
 def test_write_status_rejects_unknown_status(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"status 'done' is not one of \('pending'"):
-        store.write_status(tmp_path, {"status": "done"})
-    assert store.read_status(tmp_path) is None
+        casedir.write_status(tmp_path, {"status": "done"})
+    assert casedir.read_status(tmp_path) is None
 
 
 def test_collect_environment() -> None:
     t0 = time.monotonic()
-    env = store.collect_environment()
+    info = env.collect_environment()
     assert time.monotonic() - t0 < 10
-    assert env["versions"]["python"] == sys.version.split()[0]
-    assert set(env["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm"}
-    assert isinstance(env["gpus"], list) and env["host"] and set(env["git"]) == {"commit", "dirty"}
-    probe = "import sys; from zbench.runroot.root import collect_environment; collect_environment(); print(sorted(sys.modules))"
+    assert info["versions"]["python"] == sys.version.split()[0]
+    assert set(info["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm"}
+    assert isinstance(info["gpus"], list) and info["host"] and set(info["git"]) == {"commit", "dirty"}
+    probe = "import sys; from zbench.env import collect_environment; collect_environment(); print(sorted(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
     assert "'torch'" not in loaded and "'deepspeed'" not in loaded and "'ray'" not in loaded  # metadata only
 
@@ -236,13 +239,13 @@ def test_deepspeed_op_compatibility(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
     monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
     pytest.importorskip("deepspeed")
-    ops = store.deepspeed_op_compatibility()
+    ops = env.deepspeed_op_compatibility()
     assert "cpu_adam" in ops and "fused_adam" in ops and all(isinstance(v, bool) for v in ops.values())
 
 
 def test_a_stated_commit_wins_over_a_stale_checkout(monkeypatch):
     """A tree copied to another machine may carry an old .git; ZBENCH_GIT_COMMIT says what actually ran."""
-    from zbench.runroot.root import _git_info
+    from zbench.env import _git_info
 
     monkeypatch.delenv("ZBENCH_GIT_COMMIT", raising=False)
     monkeypatch.delenv("ZBENCH_GIT_DIRTY", raising=False)
@@ -265,14 +268,14 @@ def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> Non
     older = [line.rsplit("\t", 1)[0] for line in lines]  # drop the last (later) column
     old_path = tmp_path / "old_summary.tsv"
     old_path.write_text("\n".join(older) + "\n")
-    (row,) = store.read_summary(old_path)
+    (row,) = summary.read_summary(old_path)
     assert row["case"] == "zero3" and row["device_memory_used_gb"] == ""
     frame = read_frame(old_path)
-    assert list(frame.columns) == list(store.SUMMARY_COLUMNS) and frame["device_memory_used_gb"].isna().all()
+    assert list(frame.columns) == list(summary.SUMMARY_COLUMNS) and frame["device_memory_used_gb"].isna().all()
     bad = tmp_path / "bad.tsv"
     bad.write_text("\n".join(line.split("\t", 1)[1] for line in lines) + "\n")
-    with pytest.raises(store.StoreError, match="header is not the zbench summary header"):
-        store.read_summary(bad)
+    with pytest.raises(RunRootError, match=r"missing summary column\(s\) case; expected the columns case, "):
+        summary.read_summary(bad)
 
 
 def test_config_hash_ignores_formatting_and_keys_added_later() -> None:
@@ -285,8 +288,8 @@ def test_config_hash_ignores_formatting_and_keys_added_later() -> None:
     full = dump_yaml(from_dict({"name": "c", "zero": {"stage": 3}}))
     older = yaml.safe_load(full)
     del older["rollout"]["cuda_graph"]
-    assert store.config_hash(yaml.safe_dump(older, sort_keys=False, indent=4)) == store.config_hash(full)
+    assert summary.config_hash(yaml.safe_dump(older, sort_keys=False, indent=4)) == summary.config_hash(full)
     changed = yaml.safe_load(full)
     changed["zero"]["stage"] = 2
-    assert store.config_hash(yaml.safe_dump(changed)) != store.config_hash(full)
-    assert store.config_hash("zero: {stage: 9}") != store.config_hash("zero: {stage: 8}")
+    assert summary.config_hash(yaml.safe_dump(changed)) != summary.config_hash(full)
+    assert summary.config_hash("zero: {stage: 9}") != summary.config_hash("zero: {stage: 8}")

@@ -13,8 +13,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from zbench.config import ConfigError, dump_yaml, from_dict
+from zbench.engine.batches import gather, rollout_outputs, rollout_shards, shard
 from zbench.engine.rollout import size_buckets
-from zbench.engine.trainer import gather, rollout_outputs, rollout_shards, shard
 from zbench.engine.vllm_rollout import (
     check_versions,
     fitted_kv_cache_bytes,

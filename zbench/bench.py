@@ -215,7 +215,7 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
 
     import torch.multiprocessing as mp
 
-    from zbench.engine.workers import free_port
+    from zbench.engine.cluster import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "floors.jsonl"
@@ -256,29 +256,32 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
     trained on (prompt + response, steps 2.. of its metrics); the value head too for PPO's critic. Each distinct
     floor once. Also returns a note for every case left out (no config, or no step recorded)."""
     from zbench.config import ConfigError, load_case_config
-    from zbench.runroot.read import read_metrics
+    from zbench.runroot import casedir
+    from zbench.runroot.root import MANIFEST
+    from zbench.runroot.summary import steady_records
 
     run_root = Path(run_root)
-    if not (run_root / "manifest.json").is_file():
-        raise ValueError(f"--like {run_root}: not a run root (no manifest.json)")
+    if not (run_root / MANIFEST).is_file():
+        raise ValueError(f"--like {run_root}: not a run root (no {MANIFEST})")
     specs: list[FloorSpec] = []
     notes: list[str] = []
-    for cdir in sorted(p for p in run_root.iterdir() if (p / "config.yaml").is_file()):
+    for cdir in sorted(p for p in run_root.iterdir() if (p / casedir.CONFIG).is_file()):
         try:
-            cfg = load_case_config(cdir / "config.yaml")
+            cfg = load_case_config(cdir / casedir.CONFIG)
         except ConfigError as err:
             notes.append(f"{cdir.name}: left out: {err}")
             continue
-        m = read_metrics(cdir / "metrics.jsonl")
-        if "prompt_length/mean" not in m.columns or "response_length/mean" not in m.columns:
+        lengths = [r["prompt_length/mean"] + r["response_length/mean"]
+                   for r in steady_records(casedir.read_metrics(cdir).records)
+                   if "prompt_length/mean" in r and "response_length/mean" in r]
+        if not lengths:
             notes.append(f"{cdir.name}: left out: no step recorded")
             continue
-        m = m[m.index >= 2] if (m.index >= 2).any() else m
-        seq_len = round(float((m["prompt_length/mean"] + m["response_length/mean"]).mean()))
+        seq_len = round(sum(lengths) / len(lengths))
         world = cfg.trainer.world_size
         seqs = cfg.batch_plan().mini_batch_sequences // world
         heads = [("lm", cfg.actor.micro_batch_size_per_gpu)]
-        if cfg.algorithm == "ppo":
+        if cfg.needs_critic:
             heads.append(("value", cfg.critic.micro_batch_size_per_gpu))
         for head, micro in heads:
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
@@ -303,8 +306,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from zbench.engine.rollout import GraphDecoder
-    from zbench.engine.workers import special_ids
-    from zbench.models import resolve_model
+    from zbench.models import resolve_model, special_ids
 
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")

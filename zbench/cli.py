@@ -92,10 +92,23 @@ def show(
 
 
 @app.command()
+def keys(markdown: Annotated[bool, typer.Option(help="Print the Markdown table of the README's reference.")] = False
+         ) -> None:
+    """Every config key (for --set and matrices) with its default and meaning."""
+    from zbench.config import reference, reference_markdown
+
+    if markdown:
+        print(reference_markdown(), end="")
+        return
+    for key, default, meaning in reference():
+        print(f"{key}={default}\t{meaning}")
+
+
+@app.command()
 def env(ray_address: Annotated[str | None, typer.Option(help="Also report this Ray cluster's status.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Versions, GPUs, DeepSpeed op compatibility and Ray status: what a bug report needs."""
-    from zbench.runroot.root import environment_report
+    from zbench.env import environment_report
 
     report = environment_report(ray_address)
     if as_json:
@@ -161,12 +174,12 @@ def resume(
     """Continue a run root: keep completed cases, rerun the others (from their checkpoint when there is one)."""
     from zbench.harness.launch import RunInterrupted
     from zbench.harness.runs import exit_code, resume_run
-    from zbench.runroot.root import StoreError
+    from zbench.runroot.casedir import RunRootError
 
     try:
         root, statuses = resume_run(run_root, runner=runner, case_timeout_s=case_timeout,
                                     step_timeout_s=step_timeout, retries=retries)
-    except (ConfigError, StoreError, ValueError) as err:
+    except (ConfigError, RunRootError, ValueError) as err:
         fail(str(err))
     except RunInterrupted as stop:
         err_console.print(f"interrupted: summary written; continue with `zbench resume {run_root}`")
@@ -183,12 +196,12 @@ def merge(
 ) -> None:
     """Combine the summaries of several run roots; the latest completed attempt of each case wins (a case never
     completed: the attempt that got furthest)."""
-    from zbench.runroot.root import StoreError
-    from zbench.runroot.root import merge as merge_roots
+    from zbench.runroot.casedir import RunRootError
+    from zbench.runroot.merge import merge as merge_roots
 
     try:
         result = merge_roots(run_roots, out, force)
-    except (StoreError, ValueError) as err:
+    except (RunRootError, ValueError) as err:
         fail(str(err))
     for w in result.warnings:
         err_console.print(f"warning: {w}")

@@ -3,7 +3,6 @@ parity, estimate. Each parses, calls one function, prints."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -125,13 +124,14 @@ def estimate(
     try:
         if run_root is not None:
             run = load_run_root(run_root)
-            configs = [(read_case_config(c.dir), c.dir) for c in run.cases]
+            on_cuda: bool | None = run.device == "cuda"
+            configs = [(read_case_config(c.dir), c.dir, c.name) for c in run.cases]
         else:
             from zbench.harness.matrix import expand, load_matrix
 
-            configs = [(dataclasses.asdict(c.config) | {"name": c.name}, None)
-                       for c in expand(load_matrix(matrix))]
-        estimates = [estimate_case(cfg, base_dir=d) for cfg, d in configs]
+            on_cuda = None  # as the cases would run on this machine
+            configs = [(c.config, None, c.name) for c in expand(load_matrix(matrix))]
+        estimates = [estimate_case(cfg, base_dir=d, name=name, on_cuda=on_cuda) for cfg, d, name in configs]
     except (RunRootError, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"{'case':<28}{'algo':>5}{'stage':>6} {'offload':<17}{'ranks':>6}{'params':>12}"

@@ -56,11 +56,16 @@ class ModelConfig:
     path: str = "tiny"  # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights) or a local HF dir
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
-    sdpa_cudnn: bool = False  # CUDA: let training's attention use cuDNN (builds a plan per new shape; RL shapes vary)
+    # [experimental] CUDA: let training's attention use cuDNN (it builds a plan per new shape, and RL shapes vary)
+    sdpa_cudnn: bool = False
     fused_ops: bool = True  # training models: RMSNorm and SwiGLU keep less for backward (zbench.engine.fused)
     # training and scoring forwards move each row's left padding behind its tokens and run attention with the causal
-    # flag alone (flash kernels) instead of a padding mask (zbench.engine.workers.shift_padding_right)
+    # flag alone (flash kernels) instead of a padding mask (zbench.engine.batches.shift_padding_right)
     maskless_attention: bool = True
+
+    def precision(self, on_cuda: bool) -> str:
+        """The training precision the engine uses: "bf16" or "fp32" (``auto``: bf16 on CUDA, fp32 on CPU)."""
+        return self.dtype if self.dtype != "auto" else ("bf16" if on_cuda else "fp32")
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
@@ -88,15 +93,16 @@ class RolloutConfig:
 
     backend: str = "hf"  # hf (transformers generate), vllm (colocated vLLM engine), auto (vllm if usable)
     n: int = 1  # samples per prompt (GRPO needs n >= 2)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling mass
     max_new_tokens: int = 32  # response length cap; longer responses are clipped (response_length/clip_ratio)
-    static_cache: bool = False  # hf on CUDA: generate with a static KV cache and a compiled decode step
+    # [experimental] hf on CUDA: transformers' static KV cache and compiled decode step (cuda_graph is faster)
+    static_cache: bool = False
     cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
-    enforce_eager: bool = False  # vllm: no torch.compile or CUDA graphs (slower decoding)
+    enforce_eager: bool = False  # [experimental] vllm: no torch.compile or CUDA graphs (slower decoding)
     tensor_parallel_size: int = 1  # vllm: GPUs per engine (a TP group of consecutive ranks shares its prompts)
 
     def __post_init__(self) -> None:
@@ -110,6 +116,22 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.static_cache and self.cuda_graph:
+            raise ConfigError("static_cache", "and cuda_graph are two decode loops for the hf backend; choose one "
+                                              "(cuda_graph is the faster)")
+        if self.backend == "vllm":
+            for key in ("static_cache", "cuda_graph"):
+                if getattr(self, key):
+                    raise ConfigError(key, "is a decode loop of the hf backend, ignored by vllm; set it false, or "
+                                           "rollout.backend=hf (or auto)")
+        if self.backend == "hf":
+            if self.kv_cache_fit or self.enforce_eager:
+                key = "kv_cache_fit" if self.kv_cache_fit else "enforce_eager"
+                raise ConfigError(key, "applies to the vllm backend only; set rollout.backend=vllm (or auto), or "
+                                       f"drop rollout.{key}")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("tensor_parallel_size", "shards a vLLM engine; the hf backend keeps one replica "
+                                                          "per rank: use rollout.backend=vllm, or 1")
 
 
 @dataclass(**_FROZEN)
@@ -117,18 +139,18 @@ class ActorConfig:
     """Policy optimisation (verl's batch semantics: mini-batches in prompts, micro-batches in sequences)."""
 
     lr: float = 1e-4  # suits the embedded tiny model; real LLMs want ~1e-6 (verl's default)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # DeepSpeed gradient_clipping; 0 disables
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (times rollout.n sequences)
     micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
     forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (log-probs); 0 = as above
     ppo_epochs: int = 1  # passes over each step's batch
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO raises it)
     clip_ratio_c: float = 0.0  # dual-clip bound for negative advantages (> 1 enables, e.g. 3.0); 0 = off
     entropy_coeff: float = 0.0  # entropy bonus weight
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001  # weight of the KL loss term
     kl_loss_type: str = "low_var_kl"  # kl (k1), mse (k2), low_var_kl (k3), abs
 
     def __post_init__(self) -> None:
@@ -148,18 +170,20 @@ class ActorConfig:
 
 
 KL_KINDS = ("kl", "mse", "low_var_kl", "abs")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo")  # zbench.engine.algos.compute_advantages: one branch each
+GROUP_ESTIMATORS = ("grpo", "rloo")  # baselines from the other samples of a prompt: need rollout.n >= 2
 
 
 @dataclass(**_FROZEN)
 class CriticConfig:
     """Value model (PPO only): same architecture as the actor with a scalar head; mini-batches as the actor's."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size_per_gpu: int = 4
+    lr: float = 1e-3  # critic learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # DeepSpeed gradient_clipping; 0 disables
+    micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
     forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (values); 0 = as above
-    cliprange_value: float = 0.5
+    cliprange_value: float = 0.5  # value-loss clip around the old values
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -174,11 +198,13 @@ class CriticConfig:
 class AlgoConfig:
     """Advantage estimation and reward shaping."""
 
+    # gae (needs a critic), grpo or rloo (group baselines, no critic); auto: gae for ppo, grpo for grpo
+    adv_estimator: str = "auto"
     gamma: float = 1.0  # GAE discount (PPO)
     lam: float = 1.0  # GAE lambda (PPO)
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
     use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || ref) from token rewards
-    kl_coef: float = 0.001
+    kl_coef: float = 0.001  # weight of the in-reward KL
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl (k1), mse (k2), low_var_kl (k3), abs
 
     def __post_init__(self) -> None:
@@ -188,6 +214,7 @@ class AlgoConfig:
             raise ConfigError("lam", f"must be in [0, 1], got {self.lam}")
         _positive("kl_coef", self.kl_coef, allow_zero=True)
         _choice("kl_penalty", self.kl_penalty, KL_KINDS)
+        _choice("adv_estimator", self.adv_estimator, ("auto", *ADV_ESTIMATORS))
 
 
 OFFLOADS = ("none", "cpu", "nvme", "auto")
@@ -200,9 +227,9 @@ class ZeroConfig:
     stage: int = 2  # 0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)
     offload: str = "none"  # none | cpu | nvme | auto
     nvme_path: str = ""  # NVMe offload folder; empty = <case dir>/nvme
-    overlap_comm: bool = True
-    reduce_bucket_size: int = 50_000_000  # elements
-    stage3_prefetch_bucket_size: int = 50_000_000  # elements
+    overlap_comm: bool = True  # overlap gradient reduction with backward
+    reduce_bucket_size: int = 50_000_000  # elements per gradient reduction bucket
+    stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements of parameters fetched ahead
 
     def __post_init__(self) -> None:
         _choice("stage", self.stage, (0, 1, 2, 3))
@@ -253,7 +280,7 @@ class RewardConfig:
 
     method: str = "strict"  # strict: `#### N`; flexible: the last number in the response
     format_score: float = 0.1  # an answer in the right format but wrong
-    correct_score: float = 1.0
+    correct_score: float = 1.0  # a correct answer
 
     def __post_init__(self) -> None:
         _choice("method", self.method, ("strict", "flexible"))
@@ -270,6 +297,15 @@ class TrainerConfig:
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
+
+    def uses_cuda(self) -> bool:
+        """Whether the case runs on CUDA: asked (``cuda``; the engine refuses to start where there is none), or
+        ``auto`` and a CUDA device is visible here (imports torch)."""
+        if self.device != "auto":
+            return self.device == "cuda"
+        import torch
+
+        return torch.cuda.is_available()
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size)
@@ -288,10 +324,10 @@ ALGORITHMS = ("ppo", "grpo")
 class RunConfig:
     """One case: everything the engine needs to train it, and nothing else."""
 
-    name: str = "case"
+    name: str = "case"  # the case name (set by the matrix; names the case directory)
     algorithm: str = "ppo"  # ppo (GAE + critic) or grpo (group-normalised outcome advantages, no critic)
-    seed: int = 1
-    steps: int = 60
+    seed: int = 1  # data order, sampling and initialisation (`zbench run --seed`)
+    steps: int = 60  # training steps (`zbench run --steps`)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -305,8 +341,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _positive("steps", self.steps)
-        if self.algorithm == "grpo" and self.rollout.n < 2:
-            raise ConfigError("rollout.n", f"GRPO compares samples within a group: needs n >= 2, got {self.rollout.n}")
+        if self.adv_estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+            raise ConfigError("rollout.n", f"the {self.adv_estimator} estimator compares samples within a group: "
+                                           f"needs n >= 2, got {self.rollout.n}")
         self.batch_plan()  # raises on batch sizes that do not divide over the ranks
         tp, dp = self.rollout.tensor_parallel_size, self.trainer.world_size
         if dp % tp:
@@ -320,6 +357,18 @@ class RunConfig:
         if self.trainer.profile_step > self.steps:
             raise ConfigError("trainer.profile_step", f"{self.trainer.profile_step} is past the last step "
                                                       f"({self.steps}); choose 1..{self.steps}, or 0 for none")
+
+    @property
+    def adv_estimator(self) -> str:
+        """The advantage estimator that runs: ``algo.adv_estimator``, or the algorithm's own (ppo: gae, grpo: grpo)."""
+        if self.algo.adv_estimator != "auto":
+            return self.algo.adv_estimator
+        return "gae" if self.algorithm == "ppo" else "grpo"
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether a critic trains beside the actor: only GAE uses its values."""
+        return self.adv_estimator == "gae"
 
     @property
     def needs_reference(self) -> bool:
@@ -336,7 +385,7 @@ class RunConfig:
             )
         mini_seqs = a.ppo_mini_batch_size * n
         micros = {"actor": a.micro_batch_size_per_gpu}
-        if self.algorithm == "ppo":
+        if self.needs_critic:
             micros["critic"] = self.critic.micro_batch_size_per_gpu
         for who, micro in micros.items():
             if mini_seqs % (micro * dp):
@@ -514,3 +563,45 @@ def parse_set(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the class source: the trailing ``# ...`` of its line, after any ``# ...`` lines
+    right above it (one owner for what a key means: the line that defines it)."""
+    import inspect
+    import re
+
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        m = re.match(r"(\w+): [^=]+?=[^#]*?(?:#\s*(.*))?$", stripped)
+        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            comments[m.group(1)] = " ".join([*above, m.group(2) or ""]).strip()
+        above = []
+    return comments
+
+
+def reference(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, meaning) of every settable key, in declaration order: the README's config reference."""
+    rows: list[tuple[str, str, str]] = []
+    hints, comments, defaults = _hints(cls), _field_comments(cls), cls()
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        if _is_config(hints[f.name]):
+            rows.extend(reference(hints[f.name], dotted))
+        else:
+            value = getattr(defaults, f.name)
+            shown = yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("...").strip()
+            rows.append((dotted, shown if value != "" else '""', comments.get(f.name, "")))
+    return rows
+
+
+def reference_markdown() -> str:
+    """The config reference as a Markdown table (`zbench keys --markdown`)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | `{d}` | {m.replace('|', chr(92) + '|')} |" for k, d, m in reference()]
+    return "\n".join(lines) + "\n"

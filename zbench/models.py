@@ -329,3 +329,18 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
         raise ValueError(f"model {spec!r}: {path} {what}; give 'tiny', "
                          f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face model directory")
     return path
+
+
+def special_ids(model_path: str) -> tuple[int, list[int]]:
+    """Padding id and every id that ends a response (the tokenizer's EOS and the generation config's)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    with contextlib.suppress(OSError):
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if not eos:
+        raise ValueError(f"{model_path}: the tokenizer defines no EOS token; responses could never end")
+    eos_ids = sorted(eos)
+    return (tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]), eos_ids

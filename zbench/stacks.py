@@ -22,7 +22,8 @@ from pathlib import Path
 
 import psutil
 
-STACK_PIDS = "stack_pids"
+from zbench.runroot.casedir import STACK_PIDS
+
 STACK_SIGNAL = signal.SIGUSR1
 
 

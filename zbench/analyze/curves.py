@@ -8,6 +8,7 @@ same colour per case, one line style per root, labels ``<run-root-name>:<case>``
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
 from zbench.runroot.read import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
 # Ten strong colours first, then their light partners: hashing lands on the strong ones as often.
@@ -98,7 +100,7 @@ def collect_series(runs: list[RunRoot], max_step: int | None = None) -> tuple[li
     for run in runs:
         warnings.extend(run.warnings)
         for case in run.cases:
-            df = read_metrics(case.dir / "metrics.jsonl", warnings)
+            df = read_metrics(case.dir, warnings)
             if max_step is not None:
                 df = df[df.index <= max_step]
             if df.empty:
@@ -212,9 +214,7 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
     warnings += _blank_in_panels(series, panels)
     _atomic_savefig(fig, png, dpi=int(plot_spec.get("dpi", 110)))
     plt.close(fig)
-    tmp = tsv.with_name(tsv.name + ".tmp")
-    table.to_csv(tmp, sep="\t", index=False, na_rep="")
-    tmp.replace(tsv)
+    atomic_write_text(tsv, table.to_csv(sep="\t", index=False, na_rep=""))
     return CurvesResult(png=png, tsv=tsv, warnings=warnings)
 
 
@@ -232,6 +232,6 @@ def _blank_in_panels(series: list[Series], panels: list[dict[str, Any]]) -> list
 
 def _atomic_savefig(fig: Figure, path: Path, dpi: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=dpi, format="png")
-    tmp.replace(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
+    atomic_write_bytes(path, buf.getvalue())

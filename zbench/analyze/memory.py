@@ -32,12 +32,10 @@ Where this differs from DeepSpeed's own estimators
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from zbench.config import effective_offload
+from zbench.config import RunConfig, effective_offload
 
 GIB = 2**30
 
@@ -182,43 +180,20 @@ class CaseEstimate:
         return self.actor.nvme + (self.critic.nvme if self.critic else 0)
 
 
-def _get(cfg: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for key in dotted.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
-def case_precision(cfg: Mapping[str, Any]) -> str:
-    """"bf16" or "fp32": an explicit dtype key if the config has one, else fp32 on CPU and bf16 on GPU."""
-    for key in ("model.dtype", "actor.dtype", "trainer.precision"):
-        value = str(_get(cfg, key, "") or "").lower()
-        if value in ("bf16", "bfloat16", "fp16", "float16", "half"):
-            return "bf16"
-        if value in ("fp32", "float32", "float"):
-            return "fp32"
-    device = str(_get(cfg, "trainer.device", "") or "").lower()
-    return "fp32" if device == "cpu" else "bf16"
-
-
-def estimate_case(cfg: Mapping[str, Any], model_dims: ModelDims | None = None,
-                  base_dir: Path | None = None) -> CaseEstimate:
-    """Predict one case's per-rank memory from its config (the nested dict of config.yaml)."""
-    dims = model_dims or resolve_model_dims(str(_get(cfg, "model.path", "tiny")), base_dir)
-    stage = int(_get(cfg, "zero.stage", 0))
-    offload = str(_get(cfg, "zero.offload", "none"))
-    dp = int(_get(cfg, "trainer.world_size", 1))
-    algorithm = str(_get(cfg, "algorithm", "ppo")).lower()
-    precision = case_precision(cfg)
+def estimate_case(cfg: RunConfig, model_dims: ModelDims | None = None, base_dir: Path | None = None,
+                  name: str = "", on_cuda: bool | None = None) -> CaseEstimate:
+    """Predict one case's per-rank memory from its config, at the precision the engine trains it in: on CUDA or
+    not as ``on_cuda`` says (a run that already ran), else as it would run on this machine."""
+    dims = model_dims or resolve_model_dims(cfg.model.path, base_dir)
+    stage, offload, dp = cfg.zero.stage, cfg.zero.offload, cfg.trainer.world_size
+    precision = cfg.model.precision(cfg.trainer.uses_cuda() if on_cuda is None else on_cuda)
     n, largest = param_count(dims), largest_layer_params(dims)
     actor = model_states(n, largest, stage, offload, dp, precision)
-    critic = model_states(n, largest, stage, offload, dp, precision) if algorithm == "ppo" else None
+    critic = model_states(n, largest, stage, offload, dp, precision) if cfg.needs_critic else None
     copy = n * BYTES_PER_PARAM[precision][0]
     eff = effective_offload(stage, offload).label
     return CaseEstimate(
-        case=str(_get(cfg, "name", "")), algorithm=algorithm, stage=stage, offload=offload,
+        case=name, algorithm=cfg.algorithm, stage=stage, offload=offload,
         offload_effective=eff, world_size=dp, precision=precision, n_params=n, actor=actor, critic=critic,
         reference_bytes=copy, replica_bytes=copy, replica_on_gpu=eff == "none",
     )

@@ -9,11 +9,9 @@ from typing import Any
 
 from zbench.runroot.read import (
     CaseRun,
-    RunRoot,
     RunRootError,
     load_run_root,
     load_spec,
-    read_case_json,
     read_metrics,
 )
 
@@ -53,27 +51,18 @@ def is_math_metric(name: str, spec: dict[str, Any]) -> bool:
     return any(name.startswith(p) for p in spec.get("include", []))
 
 
-def run_device(run: RunRoot) -> str:
-    """"cuda" or "cpu": from the cases' result.json, else from the manifest's GPU list."""
-    for case in run.cases:
-        device = read_case_json(case.dir, "result.json").get("device")
-        if device in ("cpu", "cuda"):
-            return str(device)
-    return "cuda" if run.manifest.get("gpus") else "cpu"
-
-
 def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: float | None = None,
                  spec: str | Path = "parity") -> ParityResult:
     """Compare step-``step`` math metrics of every case against the first case of its algorithm."""
     run = load_run_root(root)
     pspec = load_spec(spec)
-    tol = pspec.get("tolerance", {}).get(run_device(run), {"rtol": 1e-3, "atol": 1e-5})
+    tol = pspec.get("tolerance", {}).get(run.device, {"rtol": 1e-3, "atol": 1e-5})
     rtol = float(tol["rtol"]) if rtol is None else rtol
     atol = float(tol["atol"]) if atol is None else atol
     groups: dict[str, list[tuple[CaseRun, dict[str, float]]]] = {}
     skipped = []
     for case in run.cases:
-        m = read_metrics(case.dir / "metrics.jsonl")
+        m = read_metrics(case.dir)
         if step not in m.index:
             skipped.append(f"{case.name}: no step {step} ({case.status})")
             continue

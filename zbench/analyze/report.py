@@ -18,8 +18,10 @@ import pandas as pd
 
 from zbench.analyze.curves import collect_series, default_names, render_curves
 from zbench.analyze.memory import GIB, estimate_case
+from zbench.runroot.casedir import atomic_write_text
 from zbench.runroot.read import (
     RunRoot,
+    RunRootError,
     load_run_root,
     load_spec,
     read_case_config,
@@ -89,21 +91,13 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
     return pd.DataFrame(rows), base.name
 
 
-def steady_steps(m: pd.DataFrame, start: int) -> pd.DataFrame:
-    """Steps from `start` on (all of them if none reaches it), without a profiled step (the profiler slows it)
-    unless it is the only one."""
-    if "perf/profiled" in m.columns and (m["perf/profiled"] != 1).any():
-        m = m[m["perf/profiled"] != 1]
-    return m[m.index >= start] if (m.index >= start).any() else m
-
-
 def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
     """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N)."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
         int(spec.get("mean_from_step", 2))
     out = {}
     for c in run.cases:
-        m = steady_steps(read_metrics(c.dir / "metrics.jsonl"), start)
+        m = read_metrics(c.dir, steady_from=start)
         cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude]
         if cols:
             out[c.name] = m[cols].mean()
@@ -137,9 +131,8 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
     rows = []
     for c in run.cases:
         cfg = read_case_config(c.dir)
-        world = int((cfg.get("trainer") or {}).get("world_size") or 1)
-        epochs = int((cfg.get("actor") or {}).get("ppo_epochs") or 1)
-        m = steady_steps(read_metrics(c.dir / "metrics.jsonl"), start)
+        world, epochs = cfg.trainer.world_size, cfg.actor.ppo_epochs
+        m = read_metrics(c.dir, steady_from=start)
         if "perf/total_num_tokens" not in m.columns:
             continue
         row: dict[str, object] = {"case": c.name}
@@ -148,8 +141,8 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
             if seconds is not None and (seconds > 0).any():
                 tokens = m["perf/total_num_tokens"] * (epochs if phase.startswith("update") else 1)
                 row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
-        zero, fused = cfg.get("zero") or {}, bool((cfg.get("model") or {}).get("fused_ops", False))
-        same_stage = [f for f in floors if f["stage"] == zero.get("stage") and f["offload"] == zero.get("offload")]
+        fused = cfg.model.fused_ops
+        same_stage = [f for f in floors if f["stage"] == cfg.zero.stage and f["offload"] == cfg.zero.offload]
         # a floor run with the case's own model code (`model.fused_ops`) wins over one without; among those, the
         # fastest: a floor is the least time the work takes, and a slower repeat of it measured the host's noise
         match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (f["fused_ops"] == fused,
@@ -172,10 +165,9 @@ def memory_table(run: RunRoot) -> pd.DataFrame:
     """Predicted per-rank memory (ZeRO formulas) beside measured peaks."""
     rows = []
     for c in run.cases:
-        cfg = read_case_config(c.dir)
         try:
-            est = estimate_case(cfg, base_dir=c.dir)
-        except (ValueError, KeyError) as e:
+            est = estimate_case(read_case_config(c.dir), base_dir=c.dir, name=c.name, on_cuda=run.device == "cuda")
+        except (RunRootError, ValueError, KeyError) as e:
             rows.append({"case": c.name, "note": str(e)})
             continue
         rows.append({"case": c.name, "stage": est.stage, "offload": est.offload_effective,
@@ -263,7 +255,7 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     (run.path / "phase_times.png").write_bytes(phase_png)
     (run.path / "curves.png").write_bytes(curves_png)
     md_path, html_path = run.path / "report.md", run.path / "report.html"
-    _atomic_write(md_path, "\n".join(md) + "\n")
+    atomic_write_text(md_path, "\n".join(md) + "\n")
 
     def img(data: bytes, alt: str) -> str:
         return f'<img alt="{alt}" src="data:image/png;base64,{base64.b64encode(data).decode()}">' if data else ""
@@ -277,11 +269,5 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + (f"<p>{html.escape(speed_note)}</p>" if speed_note else "")
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
             + "</body></html>")
-    _atomic_write(html_path, page)
+    atomic_write_text(html_path, page)
     return Report(md_path, html_path, run.warnings + warnings + floor_warnings)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

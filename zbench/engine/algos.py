@@ -73,6 +73,15 @@ def compute_gae(
     return advantages * mask, returns * mask
 
 
+def _group_sums(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's group index, and per group the sample count and the sum of scores."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, torch.ones_like(scores))
+    return inverse, counts, torch.zeros_like(counts).index_add_(0, inverse, scores)
+
+
 def compute_grpo_advantages(
     scores: torch.Tensor,
     group_ids: torch.Tensor,
@@ -87,11 +96,7 @@ def compute_grpo_advantages(
     The per-sample advantage is broadcast over its response tokens; returns equal advantages.
     """
     scores = scores.to(torch.float32)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, inverse, torch.ones_like(scores))
-    sums = torch.zeros_like(counts).index_add_(0, inverse, scores)
+    inverse, counts, sums = _group_sums(scores, group_ids)
     mean = sums / counts
     sq_dev = torch.zeros_like(counts).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
     std = torch.sqrt(sq_dev / (counts - 1).clamp_min(1))
@@ -103,6 +108,48 @@ def compute_grpo_advantages(
         adv = adv / (std[inverse] + eps)
     advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
     return advantages, advantages.clone()
+
+
+def compute_rloo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al., 2024): each outcome score minus the mean of the *other* samples of
+    its group, i.e. ``n/(n-1) * (score - group mean)``; a group of one sample keeps its raw score (no baseline).
+    Broadcast over the response tokens; returns equal advantages."""
+    scores = scores.to(torch.float32)
+    inverse, counts, sums = _group_sums(scores, group_ids)
+    others = (counts[inverse] - 1).clamp_min(1)
+    baseline = torch.where(counts[inverse] > 1, (sums[inverse] - scores) / others, torch.zeros_like(scores))
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages.clone()
+
+
+def compute_advantages(
+    estimator: str,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns by the estimator named in ``algo.adv_estimator``: one branch per estimator.
+
+    ``gae`` needs the critic's ``values``; the group estimators (``grpo``, ``rloo``) need ``group_ids`` and take each
+    sample's summed token reward as its outcome."""
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("adv_estimator 'gae' needs the critic's values")
+        return compute_gae(token_rewards, values, response_mask, gamma, lam)
+    if group_ids is None:
+        raise ValueError(f"adv_estimator {estimator!r} needs the group (prompt) of every sample")
+    if estimator == "grpo":
+        return compute_grpo_advantages(token_rewards.sum(-1), group_ids, response_mask, norm_by_std)
+    if estimator == "rloo":
+        return compute_rloo_advantages(token_rewards.sum(-1), group_ids, response_mask)
+    raise ValueError(f"unknown adv_estimator {estimator!r}")
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:

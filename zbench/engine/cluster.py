@@ -7,9 +7,8 @@ on 127.0.0.1 whose temporary files live in `ZBENCH_RAY_TMPDIR` (or a folder deri
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +16,22 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-RAY_TMPDIR_FILE = "ray_tmpdir"
+from zbench.runroot import casedir
 
 
 def ray_tmpdir(case_dir: Path) -> Path:
-    """The case's Ray temp folder: the launcher's choice (ZBENCH_RAY_TMPDIR), else a short per-case one
-    (Ray's socket paths must stay under ~107 characters, so not inside the case directory)."""
+    """The case's Ray temp folder: the launcher's choice (ZBENCH_RAY_TMPDIR), else the case's own by the case-directory
+    rule (short: Ray's socket paths must stay under ~107 characters, so not inside the case directory)."""
     if os.environ.get("ZBENCH_RAY_TMPDIR"):
         return Path(os.environ["ZBENCH_RAY_TMPDIR"])
-    digest = hashlib.sha1(str(case_dir.resolve()).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+    return casedir.ray_tmpdir(case_dir)
+
+
+def free_port() -> int:
+    """A TCP port free on this node right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -45,7 +50,7 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
         ray.init(address=address, log_to_driver=True, **({"_node_ip_address": node_ip} if node_ip else {}))
         return
     tmp = ray_tmpdir(case_dir)
-    (case_dir / RAY_TMPDIR_FILE).write_text(str(tmp) + "\n")
+    casedir.record_ray_tmpdir(case_dir, tmp)
     kwargs: dict[str, Any] = {
         "address": "local",
         "_node_ip_address": "127.0.0.1",

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zbench.runroot import root as store
+from zbench.env import VERSIONED_PACKAGES, package_version
+from zbench.runroot import casedir
 
 # Dense bf16 peak FLOP/s by GPU name fragment (vendor datasheets), for perf/mfu/actor.
 PEAK_BF16_FLOPS = {
@@ -45,7 +46,7 @@ def training_flops(n_params: int, n_layers: int, hidden: int, tokens: int, seq_l
 
 def versions() -> dict[str, str | None]:
     """Installed versions of the packages a result depends on."""
-    return {pkg: store.package_version(pkg) for pkg in store.VERSIONED_PACKAGES}
+    return {pkg: package_version(pkg) for pkg in VERSIONED_PACKAGES}
 
 
 def _fmt(value: float) -> str:
@@ -59,8 +60,8 @@ class Records:
 
     def __init__(self, case_dir: Path):
         self.case_dir = case_dir
-        self.metrics_path = case_dir / "metrics.jsonl"
-        self.heartbeat_path = case_dir / "heartbeat"
+        self.metrics_path = case_dir / casedir.METRICS
+        self.heartbeat_path = case_dir / casedir.HEARTBEAT
 
     def beat(self) -> None:
         """Tell the watchdog this case is alive."""
@@ -70,15 +71,8 @@ class Records:
         """Drop records of steps after `step` (a resumed case redoes them); also drops a torn last line."""
         if not self.metrics_path.exists():
             return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("step", 0) <= step:
-                kept.append(line)
-        store.atomic_write_text(self.metrics_path, "".join(f"{line}\n" for line in kept))
+        kept = [r for r in casedir.read_metrics(self.case_dir).records if r["step"] <= step]
+        casedir.atomic_write_text(self.metrics_path, "".join(f"{json.dumps(r)}\n" for r in kept))
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one step's metrics, print its log line, beat."""
@@ -93,4 +87,4 @@ class Records:
 
     def result(self, info: dict[str, Any]) -> None:
         """The final record: its presence with all steps done marks the case completed."""
-        store.atomic_write_text(self.case_dir / "result.json", json.dumps(info, indent=2, sort_keys=True) + "\n")
+        casedir.write_result(self.case_dir, info)

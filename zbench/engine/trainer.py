@@ -9,7 +9,6 @@ weights into the rollout replica (update_weights). Every phase is timed as `timi
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import contextmanager
@@ -21,9 +20,18 @@ import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
 from zbench.engine import algos
+from zbench.engine.batches import (
+    gather,
+    left_pad,
+    pick,
+    rollout_outputs,
+    rollout_shards,
+    sequence_batch,
+    shard,
+)
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
-from zbench.runroot.root import atomic_write_text
+from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
 SYNTHETIC_DATA_SEED = 0  # the generated problem set is the same for every case; the case seed orders it
@@ -67,59 +75,6 @@ class PromptStream:
         return [self._perm(p // n)[p % n] for p in range((step - 1) * self.batch, step * self.batch)]
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into ids and attention mask, to a width rounded up to `multiple`."""
-    width = -(-max(len(s) for s in seqs) // multiple) * multiple
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids, mask
-
-
-def sequence_batch(p_ids: torch.Tensor, p_mask: torch.Tensor, responses: torch.Tensor,
-                   r_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A step's sequences: left-padded prompts, then right-padded responses, with their mask and positions."""
-    attn = torch.cat([p_mask, r_mask], dim=1)
-    return {"input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask}
-
-
-def shard(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """Split every tensor of a batch into `parts` equal consecutive row blocks (one per rank)."""
-    rows = next(iter(batch.values())).shape[0]
-    size = rows // parts
-    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(parts)]
-
-
-def gather(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Concatenate per-rank outputs row-wise."""
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
-def rollout_shards(batch: dict[str, torch.Tensor], world: int, tp: int) -> list[dict[str, torch.Tensor]]:
-    """What each rank generates from: its own shard, or, under vLLM tensor parallelism, the shard of its TP group
-    (`tp` consecutive ranks run one engine, so each of them must be given the same prompts)."""
-    groups = shard(batch, world // tp)
-    return [groups[rank // tp] for rank in range(world)]
-
-
-def rollout_outputs(parts: list[dict[str, torch.Tensor]], tp: int) -> dict[str, torch.Tensor]:
-    """The step's generations in prompt order: one copy per TP group (its ranks must return the same tokens;
-    if they do not, the group's engines have diverged and the step cannot be trusted)."""
-    for first in range(0, len(parts), tp):
-        for rank in range(first + 1, first + tp):
-            if not torch.equal(parts[rank]["responses"], parts[first]["responses"]):
-                raise RuntimeError(f"vLLM tensor-parallel ranks {first} and {rank} generated different tokens for "
-                                   "the same prompts: their engines are out of step")
-    return gather(parts[::tp])
-
-
-def pick(batch: dict[str, torch.Tensor], *keys: str) -> dict[str, torch.Tensor]:
-    return {k: batch[k] for k in keys}
-
-
 def mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
     """Average per-rank metric dicts key by key."""
     keys = {k for d in dicts for k in d}
@@ -136,11 +91,11 @@ class Trainer:
 
     def __init__(self, case_dir: Path):
         self.case_dir = case_dir
-        self.cfg: RunConfig = load_case_config(case_dir / "config.yaml")
+        self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG)
         want = self.cfg.trainer.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
-        self.on_cuda = want != "cpu" and torch.cuda.is_available()
+        self.on_cuda = self.cfg.trainer.uses_cuda()
         from zbench.engine.vllm_rollout import installed_vllm, select_backend
 
         # a backend that cannot run here is a config error before anything starts
@@ -176,19 +131,17 @@ class Trainer:
         t = self.cfg.trainer
         start_ray(self.case_dir, t.world_size, self.on_cuda)
         self.records.beat()
-        ppo = self.cfg.algorithm == "ppo"
-        self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if ppo else 1)
+        critic = self.cfg.needs_critic
+        self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if critic else 1)
         # CPU workers take the configured threads; a GPU rank takes its host's share of the cores (the actor and
         # the critic of a rank never compute at the same time), which CPU Adam needs when offloading
         threads = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count())) if self.on_cuda else t.torch_threads
         env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
-        from zbench.config import to_dict
-
-        args = (to_dict(self.cfg), str(self.case_dir.resolve()), str(self.model_path))
+        args = (self.cfg, str(self.case_dir.resolve()), str(self.model_path))
         self.policy = self.placement.group(PolicyWorker, env, *args)
-        self.critic = self.placement.group(CriticWorker, env, *args) if ppo else None
+        self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
         self.records.beat()
         if self.critic:
@@ -250,11 +203,9 @@ class Trainer:
                 metrics["actor/reward_kl_penalty"] = float(kl_mean)
             else:
                 rewards = token_scores
-            if cfg.algorithm == "ppo":
-                adv, ret = algos.compute_gae(rewards, batch["values"], r_mask, cfg.algo.gamma, cfg.algo.lam)
-            else:
-                adv, ret = algos.compute_grpo_advantages(rewards.sum(-1), group_ids, r_mask,
-                                                         cfg.algo.norm_adv_by_std_in_grpo)
+            adv, ret = algos.compute_advantages(cfg.adv_estimator, rewards, r_mask, values=batch.get("values"),
+                                                group_ids=group_ids, gamma=cfg.algo.gamma, lam=cfg.algo.lam,
+                                                norm_by_std=cfg.algo.norm_adv_by_std_in_grpo)
             batch.update(advantages=adv, returns=ret)
 
         if self.critic:
@@ -331,7 +282,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
     @property
     def ckpt_dir(self) -> Path:
-        return self.case_dir / "ckpt"
+        return casedir.checkpoint_dir(self.case_dir)
 
     def save(self, step: int) -> None:
         tag = f"step_{step}"
@@ -339,14 +290,13 @@ class Trainer:
         if self.critic:
             self.critic.call("save", str(self.ckpt_dir / "critic"), tag)
         # written last: a checkpoint is usable only once this names it
-        atomic_write_text(self.ckpt_dir / "state.json", json.dumps({"step": step, "tag": tag, "seed": self.cfg.seed}) + "\n")
+        casedir.write_checkpoint_state(self.case_dir, {"step": step, "tag": tag, "seed": self.cfg.seed})
         print(f"[ckpt] saved {tag}", flush=True)
 
     def restore(self) -> int:
-        state_file = self.ckpt_dir / "state.json"
-        if not state_file.exists():
+        state = casedir.read_checkpoint_state(self.case_dir)
+        if state is None:
             return 0
-        state = json.loads(state_file.read_text())
         self.policy.call("load", str(self.ckpt_dir / "actor"), state["tag"])
         if self.critic:
             self.critic.call("load", str(self.ckpt_dir / "critic"), state["tag"])
@@ -359,8 +309,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         from transformers import AutoConfig, AutoTokenizer
 
-        from zbench.engine.workers import special_ids
-        from zbench.models import resolve_model
+        from zbench.models import resolve_model, special_ids
 
         cfg = self.cfg
         started = time.time()

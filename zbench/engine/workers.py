@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import logging
 import os
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,59 +21,14 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, from_dict
+from zbench.config import ConfigError, RunConfig, effective_offload
 from zbench.engine import algos
+from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
+from zbench.engine.cluster import free_port
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
+from zbench.models import special_ids
 from zbench.stacks import enable_stack_dumps
-
-Batch = dict[str, torch.Tensor]
-
-
-def free_port() -> int:
-    """A TCP port free on this node right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    """Consecutive slices of `size` rows of every tensor in `batch`."""
-    rows = next(iter(batch.values())).shape[0]
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
-
-
-def trim_left_padding(mb: Batch) -> Batch:
-    """Drop the leading columns that are padding in every row. Prompts are left-padded to the step's longest;
-    a micro-batch's own longest is usually shorter, and those columns would be computed for nothing. Positions
-    and masks of the remaining tokens are unchanged, so the outputs are too."""
-    first = int(mb["attention_mask"].any(0).int().argmax())  # every row has a prompt token: a column has one
-    if first == 0:
-        return mb
-    return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
-
-
-def shift_padding_right(mb: Batch) -> Batch:
-    """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and drop the
-    columns that are padding in every row, so that a forward needs no padding mask: with causal attention no
-    token sees a later column, so trailing padding is never attended. Attention then runs with the causal flag
-    alone (SDPA's flash kernels) instead of a dense mask, and positions are 0, 1, ... in every row, as the
-    masked layout's were for its tokens.
-
-    The mask and positions are replaced by `hidden_index` [rows, R + 1] (R = response width): where the last
-    R + 1 columns of the left-padded layout, the last prompt token and the response, now sit in each row. Those
-    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there."""
-    mask, responses = mb["attention_mask"], mb["responses"]
-    width, resp = mask.shape[1], responses.shape[1]
-    prompt_width = width - resp
-    prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
-    pad = prompt_width - prompt_len
-    keep = width - int(pad.min())
-    cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
-    out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-    out["input_ids"] = mb["input_ids"].gather(1, cols)
-    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1, device=mask.device)[None]
-    return out
 
 
 def response_decoder(model: Any) -> torch.nn.Module:
@@ -122,19 +76,6 @@ def model_outputs(model: Any, mb: Batch, **kwargs: Any) -> Any:
     return out
 
 
-def forward_micro(section: Any) -> int:
-    """Micro-batch of the gradient-free passes of an actor or critic config section (0 = its training size)."""
-    return section.forward_micro_batch_size_per_gpu or section.micro_batch_size_per_gpu
-
-
-def forward_batches(batch: Batch, size: int, maskless: bool = False) -> list[Batch]:
-    """`micro_batches` of `size` rows, each laid out for a forward: trimmed of its all-padding prompt columns,
-    or with `maskless` (`model.maskless_attention`) by `shift_padding_right`. Meant for the host copy of a
-    batch: the layout is read from the mask without waiting on the GPU."""
-    layout = shift_padding_right if maskless else trim_left_padding
-    return [layout(mb) for mb in micro_batches(batch, size)]
-
-
 def phase(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Label a worker method as phase `name` in a step profile (`trainer.profile_step`)."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,36 +87,21 @@ def phase(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
-def special_ids(model_path: str) -> tuple[int, list[int]]:
-    """Padding id and every id that ends a response (the tokenizer's EOS and the generation config's)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    with contextlib.suppress(OSError):
-        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    if not eos:
-        raise ValueError(f"{model_path}: the tokenizer defines no EOS token; responses could never end")
-    eos_ids = sorted(eos)
-    return (tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]), eos_ids
-
-
 class _Worker:
     """What every worker does: join its process group, place itself on a device, report memory."""
 
     role = "worker"
 
-    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, case_dir: str, model_path: str):
-        self.cfg: RunConfig = from_dict(cfg)
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, case_dir: str, model_path: str):
+        self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.case_dir = Path(case_dir)
         enable_stack_dumps(self.case_dir)  # a hung case prints where this worker is before it is killed
         self.model_path = model_path
         self.offload = effective_offload(self.cfg.zero.stage, self.cfg.zero.offload)
-        self.on_cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
+        self.on_cuda = self.cfg.trainer.uses_cuda()
         self.device = torch.device("cuda", 0) if self.on_cuda else torch.device("cpu")
-        self.bf16 = self.cfg.model.dtype == "bf16" or (self.cfg.model.dtype == "auto" and self.on_cuda)
+        self.bf16 = self.cfg.model.precision(self.on_cuda) == "bf16"
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         if not self.on_cuda:
             torch.set_num_threads(self.cfg.trainer.torch_threads)

@@ -11,14 +11,12 @@ well, with its descendants and every descendant of the case the watchdog saw whi
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,11 +26,12 @@ from types import FrameType
 from typing import Any, Protocol
 
 import psutil
-import yaml
 
 from zbench import stacks
+from zbench.config import RunConfig, dump_yaml
 from zbench.harness.runner_profile import RunnerProfile
-from zbench.runroot import root as store
+from zbench.runroot import casedir
+from zbench.runroot.root import RunRoot
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
 INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
@@ -57,26 +56,12 @@ EXCEPTION_LINE = re.compile(
 _LOG_SCAN_BYTES = 4 << 20  # classify from the last 4 MiB of an attempt's log
 
 
-RAY_TMPDIR_FILE = "ray_tmpdir"  # <case_dir>/ray_tmpdir: the Ray temp dir the engine actually used
-
-
-def ray_tmpdir_for(case_dir: Path) -> Path:
-    """The Ray temp dir of a case, passed to the engine as ``ZBENCH_RAY_TMPDIR``: ``<tmp>/zbench-ray-<hash>``.
-
-    Not inside the case dir: Ray puts unix sockets at ``<tmp>/session_<date>_<pid>/sockets/...`` and the OS
-    caps socket paths at 107 bytes. The hash (sha1 of the resolved case dir) makes it stable per case.
-    """
-    digest = hashlib.sha1(str(case_dir.resolve()).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
-
-
 def ray_markers(case_dir: Path) -> list[str]:
     """Strings whose presence in a command line marks a process as Ray started by this case."""
-    markers = {str(ray_tmpdir_for(case_dir))}
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        recorded = (case_dir / RAY_TMPDIR_FILE).read_text(encoding="utf-8").strip()
-        if len(recorded) > 8:  # never a marker so short that it matches unrelated processes
-            markers.add(recorded)
+    markers = {str(casedir.ray_tmpdir(case_dir))}
+    recorded = casedir.recorded_ray_tmpdir(case_dir)
+    if recorded and len(recorded) > 8:  # never a marker so short that it matches unrelated processes
+        markers.add(recorded)
     return sorted(markers)
 
 
@@ -166,7 +151,7 @@ class _Watch:
 
 def _heartbeat_mtime(case_dir: Path) -> float | None:
     newest = None
-    for name in (store.HEARTBEAT, store.METRICS):
+    for name in (casedir.HEARTBEAT, casedir.METRICS):
         with contextlib.suppress(FileNotFoundError):
             m = (case_dir / name).stat().st_mtime
             newest = m if newest is None else max(newest, m)
@@ -197,7 +182,7 @@ def _watchdog(
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
         if watch.fired:  # a hang: first ask the engine's processes where they are
             procs = stacks.registered(case_dir)
-            with contextlib.suppress(OSError), (case_dir / store.TRAIN_LOG).open("ab") as logf:
+            with contextlib.suppress(OSError), (case_dir / casedir.TRAIN_LOG).open("ab") as logf:
                 logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(procs)} Python processes follow\n"
                            .encode())
             stacks.request_stack_dumps(procs)
@@ -252,7 +237,7 @@ def _exit_text(code: int | None) -> str:
 
 
 def _result_complete(case_dir: Path) -> bool:
-    result = store.read_json(case_dir / store.RESULT)
+    result = casedir.read_result(case_dir)
     if not result:
         return False
     done, target = result.get("steps_completed"), result.get("steps_target")
@@ -260,12 +245,7 @@ def _result_complete(case_dir: Path) -> bool:
 
 
 def _last_step(case_dir: Path) -> int:
-    steps = [
-        r["step"]
-        for r in store.read_metrics(case_dir / store.METRICS).records
-        if isinstance(r.get("step"), int)
-    ]
-    return max(steps, default=0)
+    return max((r["step"] for r in casedir.read_metrics(case_dir).records), default=0)
 
 
 @dataclass(frozen=True)
@@ -314,18 +294,18 @@ def _prepare_attempt(case_dir: Path, attempt: int) -> None:
 
     A case with a checkpoint continues from it: its metrics.jsonl stays (archived as a copy), and the engine
     drops the records after the checkpoint's step itself, so the curve runs on unbroken from step 1."""
-    resumes = (case_dir / "ckpt" / "state.json").is_file()
-    for name in (store.METRICS, store.RESULT):
+    resumes = casedir.read_checkpoint_state(case_dir) is not None
+    for name in (casedir.METRICS, casedir.RESULT):
         p = case_dir / name
         if p.exists():
             stem, dot, ext = name.partition(".")
             archived = case_dir / f"{stem}.attempt{attempt - 1}{dot}{ext}"
-            if resumes and name == store.METRICS:
+            if resumes and name == casedir.METRICS:
                 shutil.copyfile(p, archived)
             else:
                 os.replace(p, archived)
     with contextlib.suppress(FileNotFoundError):
-        (case_dir / store.HEARTBEAT).unlink()
+        (case_dir / casedir.HEARTBEAT).unlink()
 
 
 def run_attempt(
@@ -347,15 +327,15 @@ def run_attempt(
     if attempt > 1:
         _prepare_attempt(cdir, attempt)
     stacks.forget(cdir)
-    ray_dir = ray_tmpdir_for(cdir)
+    ray_dir = casedir.ray_tmpdir(cdir)
     child_env = {**os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1"}
-    log = cdir / store.TRAIN_LOG
-    started_at = store.utc_now()
+    log = cdir / casedir.TRAIN_LOG
+    started_at = casedir.utc_now()
     status: dict[str, Any] = {
         "status": "running", "attempt": attempt, "exit_code": None, "reason": "", "last_step": 0,
         "started_at": started_at, "ended_at": None, "warnings": [],
     }  # fmt: skip
-    store.write_status(cdir, status)
+    casedir.write_status(cdir, status)
     stop = stop or threading.Event()
     with log.open("ab") as logf:
         logf.write(f"==== zbench attempt {attempt} started {started_at}: {' '.join(command)}\n".encode())
@@ -385,9 +365,9 @@ def run_attempt(
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings)
     status.update(
         status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),
-        ended_at=store.utc_now(), warnings=warnings,
+        ended_at=casedir.utc_now(), warnings=warnings,
     )  # fmt: skip
-    store.write_status(cdir, status)
+    casedir.write_status(cdir, status)
     with log.open("ab") as logf:
         logf.write(
             f"==== zbench attempt {attempt} ended {status['ended_at']}: {state} ({_exit_text(exit_code)})\n".encode()
@@ -483,40 +463,33 @@ class RunInterrupted(Exception):
         self.statuses = statuses
 
 
-def _steps_target(config_text: str) -> int | None:
-    with contextlib.suppress(yaml.YAMLError):
-        cfg = yaml.safe_load(config_text)
-        if isinstance(cfg, dict) and isinstance(cfg.get("steps"), int):
-            return cfg["steps"]
-    return None
-
-
-def _write_configs(run_root: store.RunRoot, cases: Sequence[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+def _write_configs(run_root: RunRoot, cases: Sequence[tuple[str, RunConfig]]) -> dict[str, dict[str, Any]]:
     """Write every case's config.yaml up front (so a resume finds them all); return the completed cases.
 
     A case counts as completed only if its status says so and its config.yaml is the one given now.
     """
     done = {}
-    for name, config_text in cases:
+    for name, cfg in cases:
+        config_text = dump_yaml(cfg)
         cdir = run_root.case_dir(name)
         cdir.mkdir(exist_ok=True)
-        path = cdir / store.CONFIG
+        path = cdir / casedir.CONFIG
         same = path.is_file() and path.read_text(encoding="utf-8") == config_text
-        status = store.read_status(cdir)
+        status = casedir.read_status(cdir)
         if same and status and status.get("status") == "completed":
             done[name] = status
         elif not same:
-            store.atomic_write_text(path, config_text)
+            casedir.atomic_write_text(path, config_text)
     return done
 
 
 def run_cases(
-    run_root: store.RunRoot,
-    cases: Sequence[tuple[str, str]],
+    run_root: RunRoot,
+    cases: Sequence[tuple[str, RunConfig]],
     options: LaunchOptions,
     progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``cases`` — (name, config.yaml text) in matrix order — under the run root's lock.
+    """Run ``cases`` — (name, config) in matrix order — under the run root's lock.
 
     Writes every case's config.yaml before the first starts; skips cases already completed with the same config
     (resume); retries transient failures up to ``options.retries`` times, never OOM or config errors; rewrites
@@ -544,7 +517,7 @@ def run_cases(
         with run_root.lock("run"):
             try:
                 done = _write_configs(run_root, cases)
-                for name, config_text in cases:
+                for name, cfg in cases:
                     if stop.is_set():
                         break
                     cdir = run_root.case_dir(name)
@@ -553,12 +526,12 @@ def run_cases(
                         if progress is not None:
                             progress.case_finished(name, done[name])
                         continue
-                    old = store.read_status(cdir)
+                    old = casedir.read_status(cdir)
                     attempt = int(old.get("attempt", 0)) if old else 0
                     for retry in range(options.retries + 1):
                         attempt += 1
                         if progress is not None:
-                            progress.case_started(name, cdir, attempt, _steps_target(config_text))
+                            progress.case_started(name, cdir, attempt, cfg.steps)
                         outcome = run_attempt(
                             cdir, [*options.command, str(cdir.resolve())], options.env, options.case_timeout_s,
                             options.step_timeout_s, attempt, stop=stop, kill_grace_s=options.kill_grace_s,
@@ -573,7 +546,7 @@ def run_cases(
             finally:
                 # Also after an error or an interrupt: the table on disk matches the case dirs.
                 run_root.write_summary()
-                run_root.update_manifest(ended_at=store.utc_now())
+                run_root.update_manifest(ended_at=casedir.utc_now())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -55,7 +55,7 @@ class Matrix:
 
 def check_name(value: str, what: str, source: str | None = None) -> str:
     """A case name or tag must be one directory name inside the results directory (the store's rule)."""
-    from zbench.runroot.root import validate_name
+    from zbench.runroot.casedir import validate_name
 
     try:
         return validate_name(value, what)

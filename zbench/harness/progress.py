@@ -6,7 +6,6 @@ step/steps, the last ``critic/score/mean`` and ``perf/throughput``, peak memory,
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from zbench.runroot import root as store
+from zbench.runroot import casedir
 
 _STYLE = {
     "completed": "green", "running": "cyan", "failed": "red", "oom": "magenta", "timeout": "yellow",
@@ -71,14 +70,9 @@ class CaseView:
         if end < 0:
             return
         self.offset += end + 1
-        for line in chunk[: end + 1].splitlines():
-            try:
-                rec = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                self._apply(rec)
-                self.new_records.append(rec)
+        for rec in casedir.parse_metrics(chunk[: end + 1]).records:
+            self._apply(rec)
+            self.new_records.append(rec)
 
     def _apply(self, rec: Mapping[str, Any]) -> None:
         if isinstance(rec.get("step"), int):
@@ -122,7 +116,7 @@ class RunProgress:
             v.status, v.attempt, v.step, v.started, v.ended = "running", attempt, 0, time.monotonic(), None
             v.score = v.throughput = v.peak_memory_gb = None
             v.steps_target = steps_target if steps_target is not None else v.steps_target
-            v.metrics, v.offset, v.reason = case_dir / store.METRICS, 0, ""
+            v.metrics, v.offset, v.reason = case_dir / casedir.METRICS, 0, ""
             self._on_start(v)
 
     def poll(self) -> None:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from zbench.config import ConfigError, RunConfig, dump_yaml, load_case_config
+from zbench.config import RunConfig
 from zbench.harness.launch import LaunchOptions, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, expand, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
-from zbench.runroot import root as store
+from zbench.runroot.root import RunRoot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,13 +51,13 @@ def prepare_models(specs: set[str], out: TextIO) -> None:
         print(f"[zbench] model {spec!r}: {resolve_model(spec)}", file=out, flush=True)
 
 
-def _launch(root: store.RunRoot, cases: list[tuple[str, RunConfig]], options: LaunchOptions,
+def _launch(root: RunRoot, cases: list[tuple[str, RunConfig]], options: LaunchOptions,
             out: TextIO) -> list[dict]:
     with make_progress([(name, cfg.steps) for name, cfg in cases], stream=out) as progress:
-        return run_cases(root, [(name, dump_yaml(cfg)) for name, cfg in cases], options, progress)
+        return run_cases(root, cases, options, progress)
 
 
-def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tuple[store.RunRoot, list[dict]]:
+def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tuple[RunRoot, list[dict]]:
     """Run every case of a matrix into a new run root; returns the root and each case's final status."""
     profile = load_runner_profile(req.runner)
     cases = plan_cases(req, profile)
@@ -66,7 +66,7 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     prepare_models({c.config.model.path for c in cases}, out)
     # recorded as the user named it: a shipped matrix by its package path, a file by the path given
     matrix_file = f"matrices/{matrix.name}.yaml" if req.matrix in shipped_matrices() else req.matrix
-    root = store.RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
+    root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
                                 steps=req.steps, cases=cases, command=argv, runner=profile.name)
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,
@@ -76,17 +76,12 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
 
 def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | None = None,
                step_timeout_s: float | None = None, retries: int = 1,
-               out: TextIO = sys.stdout) -> tuple[store.RunRoot, list[dict]]:
+               out: TextIO = sys.stdout) -> tuple[RunRoot, list[dict]]:
     """Continue a run root: completed cases are kept, the others run again (from their checkpoint if any)."""
-    root = store.RunRoot.open(path)
+    root = RunRoot.open(path)
     manifest = root.manifest
     profile = load_runner_profile(runner or manifest.get("runner") or "local")
-    cases = []
-    for entry in manifest["cases"]:
-        cfg_path = root.case_dir(entry["name"]) / "config.yaml"
-        if not cfg_path.is_file():
-            raise ConfigError("", f"{cfg_path} is missing: this case cannot be resumed (rerun the matrix instead)")
-        cases.append((entry["name"], load_case_config(cfg_path)))
+    cases = root.case_configs()
     prepare_models({cfg.model.path for _, cfg in cases}, out)
     options = options_for_profile(profile, case_timeout_s=case_timeout_s, step_timeout_s=step_timeout_s,
                                   retries=retries)

@@ -1,13 +1,12 @@
-"""Reading run roots for analysis: manifest, summary.tsv, per-case metrics.jsonl and config.yaml.
+"""The read side of run roots, for the analysis: manifest, summary.tsv and per-case metrics as DataFrames.
 
-Every reader here is tolerant where the run root format allows it (a torn last line of metrics.jsonl, a case
-that never started, an unknown extra summary column) and fails with a message naming the file where it cannot
-go on (no run root, no summary, missing columns, no completed case).
+Built on the case-directory contract (`casedir`) and the summary's reader (`summary`), so a torn line or an older
+summary is handled by the same rule everywhere; fails with a message naming the file where it cannot go on (no run
+root, no summary, missing columns, no completed case).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +16,14 @@ import pandas as pd
 import yaml
 
 from zbench import shipped_specs
-from zbench.runroot import root as store
+from zbench.config import ConfigError, RunConfig, load_case_config
+from zbench.runroot import casedir, summary
+from zbench.runroot.casedir import RunRootError
+from zbench.runroot.root import MANIFEST
+from zbench.runroot.summary import SUMMARY, SUMMARY_COLUMNS
 
-SUMMARY_COLUMNS = store.SUMMARY_COLUMNS
-_TEXT_COLUMNS = {"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
-                 "case_dir", "config_hash"}
-
-
-class RunRootError(Exception):
-    """A run root (or a summary) that cannot be analysed; the message says which file and why."""
+__all__ = ["SUMMARY_COLUMNS", "CaseRun", "RunRoot", "RunRootError", "load_run_root", "load_spec", "read_case_config",
+           "read_manifest", "read_metrics", "read_summary", "require_completed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +74,15 @@ class RunRoot:
         """The matrix name from the manifest, "run" when unknown."""
         return str(self.manifest.get("matrix") or "run")
 
+    @property
+    def device(self) -> str:
+        """"cuda" or "cpu", as the run ran: from the cases' result.json, else from the manifest's GPU list."""
+        for case in self.cases:
+            device = (casedir.read_result(case.dir) or {}).get("device")
+            if device in ("cpu", "cuda"):
+                return str(device)
+        return "cuda" if self.manifest.get("gpus") else "cpu"
+
     def completed(self) -> list[CaseRun]:
         """Cases whose status is completed."""
         return [c for c in self.cases if c.status == "completed"]
@@ -86,95 +93,54 @@ def read_manifest(root: Path) -> dict[str, Any]:
     root = Path(root)
     if not root.is_dir():
         raise RunRootError(f"run root {root} does not exist (or is not a directory)")
-    path = root / "manifest.json"
+    path = root / MANIFEST
     if not path.is_file():
-        what = "is empty" if not any(root.iterdir()) else "has no manifest.json"
+        what = "is empty" if not any(root.iterdir()) else f"has no {MANIFEST}"
         raise RunRootError(f"run root {root} {what}: not a zbench run root, or the run never started")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise RunRootError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise RunRootError(f"{path}: expected a JSON object")
+    data = casedir.read_json(path)
+    if data is None:
+        raise RunRootError(f"{path}: not a JSON object (a zbench manifest is one)")
     return data
 
 
 def read_summary(path: Path, warnings: list[str] | None = None) -> pd.DataFrame:
-    """summary.tsv (or a merged summary) as text-typed and numeric columns in the contract's order.
-
-    Missing columns are an error (naming them); unknown extra columns are dropped with a warning.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise RunRootError(f"{path} does not exist: no case of this run has finished yet (or wrong path)")
-    try:
-        df = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False)
-    except pd.errors.EmptyDataError as e:
-        raise RunRootError(f"{path} is empty") from e
-    for col in store.LATER_SUMMARY_COLUMNS:
-        if col not in df.columns:
-            df[col] = ""
-    missing = [c for c in SUMMARY_COLUMNS if c not in df.columns]
-    if missing:
-        raise RunRootError(f"{path}: missing summary column(s) {', '.join(missing)}; "
-                           f"expected the columns {', '.join(SUMMARY_COLUMNS)}")
-    unknown = [c for c in df.columns if c not in SUMMARY_COLUMNS]
-    if unknown and warnings is not None:
-        warnings.append(f"{path}: ignoring unknown summary column(s) {', '.join(unknown)}")
-    df = df[list(SUMMARY_COLUMNS)].copy()
+    """summary.tsv (or a merged summary) as a DataFrame: text columns as text, the others numeric (NaN when empty)."""
+    df = pd.DataFrame(summary.read_summary(path, warnings), columns=list(SUMMARY_COLUMNS))
     for col in SUMMARY_COLUMNS:
-        if col not in _TEXT_COLUMNS:
+        if col not in summary.TEXT_COLUMNS:
             df[col] = pd.to_numeric(df[col].replace("", None), errors="coerce")
     return df
 
 
-def read_metrics(path: Path, warnings: list[str] | None = None) -> pd.DataFrame:
-    """metrics.jsonl as a DataFrame indexed by step (sorted; a repeated step keeps its last record).
+def read_metrics(case_dir: Path, warnings: list[str] | None = None, steady_from: int | None = None) -> pd.DataFrame:
+    """A case's metrics.jsonl as a DataFrame indexed by step (sorted; a repeated step keeps its last record);
+    with ``steady_from``, only its steady-state steps from that step on (`summary.steady_records`).
 
-    A torn last line (a writer interrupted mid-append) is skipped silently; an unreadable line elsewhere is
-    skipped with a warning. A missing file gives an empty frame.
+    A torn last line (a writer interrupted mid-append) is skipped silently; an unreadable line elsewhere is noted in
+    ``warnings``. A case without metrics gives an empty frame.
     """
-    path = Path(path)
-    if not path.is_file():
-        return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
-    records: list[dict[str, Any]] = []
-    lines = path.read_text(errors="replace").split("\n")
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            step = int(rec["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            if i != last and warnings is not None:
-                warnings.append(f"{path}:{i + 1}: unreadable metrics line skipped")
-            continue
-        rec["step"] = step
-        records.append(rec)
+    metrics = casedir.read_metrics(case_dir)
+    bad = metrics.skipped - int(metrics.torn_tail)
+    if bad and warnings is not None:
+        warnings.append(f"{Path(case_dir) / casedir.METRICS}: {bad} unreadable line(s) skipped")
+    records = casedir.steps_by_number(metrics.records)
+    if steady_from is not None:
+        records = summary.steady_records(records, steady_from)
     if not records:
         return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
-    df = pd.DataFrame.from_records(records)
-    df = df.drop_duplicates("step", keep="last").set_index("step").sort_index()
+    df = pd.DataFrame.from_records(records).set_index("step")
     return df.apply(pd.to_numeric, errors="coerce")
 
 
-def read_case_config(case_dir: Path) -> dict[str, Any]:
-    """A case's config.yaml as a nested dict ({} when absent)."""
-    path = Path(case_dir) / "config.yaml"
+def read_case_config(case_dir: Path) -> RunConfig:
+    """A case's config.yaml through the config schema; an error naming the file when it is missing or invalid."""
+    path = Path(case_dir) / casedir.CONFIG
     if not path.is_file():
-        return {}
-    data = yaml.safe_load(path.read_text())
-    return data if isinstance(data, dict) else {}
-
-
-def read_case_json(case_dir: Path, name: str) -> dict[str, Any]:
-    """A case's status.json or result.json as a dict ({} when absent or unreadable)."""
+        raise RunRootError(f"{path} is missing: the case's config is needed to analyse it")
     try:
-        data = json.loads((Path(case_dir) / name).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return load_case_config(path)
+    except ConfigError as e:
+        raise RunRootError(str(e)) from None
 
 
 def load_run_root(root: Path, summary: Path | None = None) -> RunRoot:
@@ -186,7 +152,7 @@ def load_run_root(root: Path, summary: Path | None = None) -> RunRoot:
     root = Path(root)
     manifest = read_manifest(root)
     warnings: list[str] = []
-    summary_path = Path(summary) if summary else root / "summary.tsv"
+    summary_path = Path(summary) if summary else root / SUMMARY
     df = read_summary(summary_path, warnings)
     if df.empty:
         raise RunRootError(f"{summary_path} has a header but no case rows")

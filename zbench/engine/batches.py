@@ -1,0 +1,117 @@
+"""How a step's sequences are laid out and split: left-padded prompts then right-padded responses, one shard per
+rank, micro-batches for the forward and backward passes, and the maskless layout (each row's left padding moved
+behind its tokens so attention needs the causal flag alone). The controller (`trainer`) builds and shards a step's
+batch; the workers (`workers`) cut their shard into micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ids and attention mask, to a width rounded up to `multiple`."""
+    width = -(-max(len(s) for s in seqs) // multiple) * multiple
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def sequence_batch(p_ids: torch.Tensor, p_mask: torch.Tensor, responses: torch.Tensor,
+                   r_mask: torch.Tensor) -> Batch:
+    """A step's sequences: left-padded prompts, then right-padded responses, with their mask and positions."""
+    attn = torch.cat([p_mask, r_mask], dim=1)
+    return {"input_ids": torch.cat([p_ids, responses], dim=1), "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp_min(0), "responses": responses, "response_mask": r_mask}
+
+
+def shard(batch: Batch, parts: int) -> list[Batch]:
+    """Split every tensor of a batch into `parts` equal consecutive row blocks (one per rank)."""
+    rows = next(iter(batch.values())).shape[0]
+    size = rows // parts
+    return [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
+def gather(parts: list[Batch]) -> Batch:
+    """Concatenate per-rank outputs row-wise."""
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def rollout_shards(batch: Batch, world: int, tp: int) -> list[Batch]:
+    """What each rank generates from: its own shard, or, under vLLM tensor parallelism, the shard of its TP group
+    (`tp` consecutive ranks run one engine, so each of them must be given the same prompts)."""
+    groups = shard(batch, world // tp)
+    return [groups[rank // tp] for rank in range(world)]
+
+
+def rollout_outputs(parts: list[Batch], tp: int) -> Batch:
+    """The step's generations in prompt order: one copy per TP group (its ranks must return the same tokens;
+    if they do not, the group's engines have diverged and the step cannot be trusted)."""
+    for first in range(0, len(parts), tp):
+        for rank in range(first + 1, first + tp):
+            if not torch.equal(parts[rank]["responses"], parts[first]["responses"]):
+                raise RuntimeError(f"vLLM tensor-parallel ranks {first} and {rank} generated different tokens for "
+                                   "the same prompts: their engines are out of step")
+    return gather(parts[::tp])
+
+
+def pick(batch: Batch, *keys: str) -> Batch:
+    return {k: batch[k] for k in keys}
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """Consecutive slices of `size` rows of every tensor in `batch`."""
+    rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def trim_left_padding(mb: Batch) -> Batch:
+    """Drop the leading columns that are padding in every row. Prompts are left-padded to the step's longest;
+    a micro-batch's own longest is usually shorter, and those columns would be computed for nothing. Positions
+    and masks of the remaining tokens are unchanged, so the outputs are too."""
+    first = int(mb["attention_mask"].any(0).int().argmax())  # every row has a prompt token: a column has one
+    if first == 0:
+        return mb
+    return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
+
+
+def shift_padding_right(mb: Batch) -> Batch:
+    """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and drop the
+    columns that are padding in every row, so that a forward needs no padding mask: with causal attention no
+    token sees a later column, so trailing padding is never attended. Attention then runs with the causal flag
+    alone (SDPA's flash kernels) instead of a dense mask, and positions are 0, 1, ... in every row, as the
+    masked layout's were for its tokens.
+
+    The mask and positions are replaced by `hidden_index` [rows, R + 1] (R = response width): where the last
+    R + 1 columns of the left-padded layout, the last prompt token and the response, now sit in each row. Those
+    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there."""
+    mask, responses = mb["attention_mask"], mb["responses"]
+    width, resp = mask.shape[1], responses.shape[1]
+    prompt_width = width - resp
+    prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
+    pad = prompt_width - prompt_len
+    keep = width - int(pad.min())
+    cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
+    out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    out["input_ids"] = mb["input_ids"].gather(1, cols)
+    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1, device=mask.device)[None]
+    return out
+
+
+def forward_micro(section: Any) -> int:
+    """Micro-batch of the gradient-free passes of an actor or critic config section (0 = its training size)."""
+    return section.forward_micro_batch_size_per_gpu or section.micro_batch_size_per_gpu
+
+
+def forward_batches(batch: Batch, size: int, maskless: bool = False) -> list[Batch]:
+    """`micro_batches` of `size` rows, each laid out for a forward: trimmed of its all-padding prompt columns,
+    or with `maskless` (`model.maskless_attention`) by `shift_padding_right`. Meant for the host copy of a
+    batch: the layout is read from the mask without waiting on the GPU."""
+    layout = shift_padding_right if maskless else trim_left_padding
+    return [layout(mb) for mb in micro_batches(batch, size)]

@@ -1,0 +1,146 @@
+"""`zbench env` and the manifest's environment: Python and package versions, GPUs, host, git commit, DeepSpeed ops,
+a Ray cluster's resources — everything a bug report or a reproduction needs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import zbench
+
+VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
+
+
+def package_version(package: str) -> str | None:
+    """A package's installed version, or None (without importing it)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_info() -> dict[str, Any]:
+    """Commit and dirty flag: as stated by ``ZBENCH_GIT_COMMIT`` (a copy shipped to another machine, whose .git
+    may be missing or stale, says where it came from), else of the zbench source checkout, else of the cwd."""
+    if os.environ.get("ZBENCH_GIT_COMMIT"):
+        return {"commit": os.environ["ZBENCH_GIT_COMMIT"], "dirty": os.environ.get("ZBENCH_GIT_DIRTY") == "1",
+                "source": "ZBENCH_GIT_COMMIT"}
+    source = Path(zbench.__file__).resolve().parent.parent
+    for where in (source, Path.cwd()):
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+            )
+            if commit.returncode != 0:
+                continue
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=where, capture_output=True, text=True, timeout=20,
+            )  # fmt: skip
+            return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return {"commit": None, "dirty": None}
+
+
+def _gpus(probe_torch: bool) -> list[dict[str, Any]]:
+    """GPU names and memory; torch.cuda when torch is already loaded (or ``probe_torch``), else nvidia-smi."""
+    if "torch" in sys.modules or probe_torch:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return [
+                    {
+                        "name": torch.cuda.get_device_name(i),
+                        "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 2),
+                    }
+                    for i in range(torch.cuda.device_count())
+                ]
+            if probe_torch:
+                return []
+        except ImportError:
+            pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    gpus = []
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        name, _, mib = line.rpartition(",")
+        with contextlib.suppress(ValueError):
+            gpus.append({"name": name.strip(), "memory_gb": round(float(mib) / 1024, 2)})
+    return gpus
+
+
+def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
+    """Python and package versions, GPUs, host, git commit + dirty flag: what a manifest or bug report needs.
+
+    Versions come from package metadata, so nothing heavy is imported; pass ``probe_torch`` to ask torch.cuda
+    for GPUs even where nvidia-smi is absent (imports torch).
+    """
+    versions: dict[str, str | None] = {"python": sys.version.split()[0]}
+    versions.update({p: package_version(p) for p in VERSIONED_PACKAGES})
+    return {
+        "versions": versions,
+        "gpus": _gpus(probe_torch),
+        "host": socket.gethostname(),
+        "platform": sys.platform,
+        "git": _git_info(),
+    }
+
+
+def deepspeed_op_compatibility() -> dict[str, bool]:
+    """Whether each DeepSpeed op builder (cpu_adam, fused_adam, ...) can be built here (imports deepspeed)."""
+    try:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    except ImportError:
+        return {}
+    compat: dict[str, bool] = {}
+    for name, builder in sorted(ALL_OPS.items()):
+        if name == "deepspeed_not_implemented" or builder is None:
+            continue
+        try:
+            compat[name] = bool(builder.is_compatible(verbose=False))
+        except Exception:  # a builder probing a missing toolchain may raise anything
+            compat[name] = False
+    return compat
+
+
+def ray_cluster_status(address: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Connect to the Ray cluster at ``address`` in a subprocess and report its nodes and resources."""
+    probe = (
+        "import json, ray\n"
+        "ray.init(address=ADDRESS, logging_level='ERROR', log_to_driver=False)\n"
+        "nodes = [n for n in ray.nodes() if n.get('Alive')]\n"
+        "print(json.dumps({'address': ADDRESS, 'alive_nodes': len(nodes),\n"
+        "    'resources': ray.cluster_resources(), 'available': ray.available_resources()}))\n"
+    ).replace("ADDRESS", json.dumps(address))
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"address": address, "error": f"no answer within {timeout_s:.0f} s"}
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        err = (out.stderr.strip().splitlines() or ["unknown error"])[-1]
+        return {"address": address, "error": err}
+    return json.loads(lines[-1])
+
+
+def environment_report(ray_address: str | None = None) -> dict[str, Any]:
+    """Everything ``zbench env`` prints: collect_environment (GPUs via torch), DeepSpeed ops, Ray cluster."""
+    report = collect_environment(probe_torch=True)
+    report["deepspeed_ops"] = deepspeed_op_compatibility()
+    if ray_address:
+        report["ray"] = ray_cluster_status(ray_address)
+    return report
