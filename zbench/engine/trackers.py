@@ -147,6 +147,7 @@ class Trackers:
             print(f"[zbench] tracker {name}: {tracker.where}", flush=True)
 
     def _drop(self, name: str, reason: str, what: str) -> None:
+        reason = " ".join(reason.split())  # one line in train.log, however the tracker formats its error
         self.running.pop(name, None)
         self.state[name] = {**self.state.get(name, {}), "ok": False, "error": f"{what}: {reason}"}
         print(f"[zbench] warning: tracker {name} {what}: {reason}; the case goes on without it", flush=True)
