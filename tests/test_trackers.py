@@ -76,10 +76,15 @@ def wandb_records(path: Path) -> list[Any]:
 
 
 def test_every_step_reaches_tensorboard_wandb_and_mlflow(tmp_path: Path) -> None:
-    root = tmp_path / "six-case_2_seed3_20261123_120000"
-    case = make_case(root, "zero2_no_offload", ALL)
     env = base_env(tmp_path) | {"WANDB_MODE": "offline"}
-    log = train(case, env)
+    res = subprocess.run([sys.executable, "-m", "zbench", "run", "six-case", "--cases", "zero2_no_offload",
+                          "--steps", "2", "--seed", "3", "--set", f"trainer.logger=[{','.join(ALL)}]",
+                          "--results-dir", str(tmp_path / "results")],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    (root,) = (tmp_path / "results").iterdir()
+    case = root / "zero2_no_offload"
+    log = (case / "train.log").read_text()
     assert "warning: tracker" not in log, log[-4000:]
     assert "step:2 - " in log  # console: the step line
     records = steps_recorded(case)
