@@ -12,6 +12,8 @@ the user's environment says otherwise:
     mlflow        file store <run root>/mlruns (or $MLFLOW_TRACKING_URI)
 
 A tracker that cannot start or log is dropped with a warning in train.log; the case goes on without it.
+A retried or resumed case starts a new tracker run of the same name (TensorBoard: a new event file beside the
+first), so an attempt's steps are never merged into another's.
 """
 
 from __future__ import annotations
