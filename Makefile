@@ -14,7 +14,7 @@ $(BIN)/zbench: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,trackers]"
 	touch $(BIN)/zbench
 
 install: $(BIN)/zbench

@@ -23,12 +23,14 @@ def plot(
     metrics_tsv: Annotated[Path | None, typer.Option(help="Metrics TSV path (default beside the PNG).")] = None,
     max_step: Annotated[int | None, typer.Option(help="Plot steps up to N only.")] = None,
     spec: Annotated[str, typer.Option(help="Plot spec: a name in analysis/ or a YAML path.")] = "plot",
+    smooth: Annotated[int, typer.Option(min=1, help="Rolling mean over N steps on the score panel (the spec's "
+                                                    "`smooth` panels), raw line faint behind; 1: none.")] = 1,
 ) -> None:
     """Draw memory, throughput, score and loss curves of every case (2×2 PNG) and write their TSV."""
     from zbench.analyze.curves import plot_curves
 
     try:
-        result = plot_curves(run_root, summary, output, metrics_tsv, max_step, spec)
+        result = plot_curves(run_root, summary, output, metrics_tsv, max_step, spec, smooth)
     except RunRootError as e:
         raise _fail(str(e)) from None
     for w in result.warnings:

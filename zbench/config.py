@@ -297,6 +297,8 @@ class TrainerConfig:
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
+    # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
+    logger: tuple[str, ...] = ("console",)
 
     def uses_cuda(self) -> bool:
         """Whether the case runs on CUDA: asked (``cuda``; the engine refuses to start where there is none), or
@@ -315,6 +317,13 @@ class TrainerConfig:
         _positive("torch_threads", self.torch_threads)
         _positive("log_samples", self.log_samples, allow_zero=True)
         _positive("profile_step", self.profile_step, allow_zero=True)
+        for name in self.logger:
+            _choice("logger", name, LOGGERS)
+        if len(set(self.logger)) < len(self.logger):
+            raise ConfigError("logger", f"names a tracker twice: {list(self.logger)}")
+
+
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 
 
 ALGORITHMS = ("ppo", "grpo")
@@ -453,6 +462,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {value!r}")
         return float(value)
+    if origin is tuple:  # tuple[str, ...]: a YAML list, or one bare item as verl takes it (`logger=wandb`)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(key, item, typing.get_args(tp)[0]) for item in items)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")
@@ -496,7 +508,10 @@ def from_dict(data: Mapping[str, Any], source: str | None = None) -> RunConfig:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain nested data, in field order."""
-    return {f.name: (to_dict(v) if _is_config(type(v := getattr(cfg, f.name))) else v) for f in dataclasses.fields(cfg)}
+    def plain(v: Any) -> Any:
+        return to_dict(v) if _is_config(type(v)) else list(v) if isinstance(v, tuple) else v
+
+    return {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def dump_yaml(cfg: RunConfig) -> str:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from zbench.config import ConfigError
 from zbench.data import synthetic_problems
 
 # Bump when the build code changes in a way the recipe fields do not capture.
@@ -317,18 +319,55 @@ def build_shape_preset(name: str, cache_dir: str | Path | None = None, seed: int
     return _cached_build(cache_root(cache_dir), key, lambda out: _save_shape_preset(name, seed, out))
 
 
+# `org/name`: what a Hugging Face hub id looks like (a relative path of two parts does too; both are checked)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def local_model_dir(spec: str) -> Path:
+    """The directory of a model given as a local Hugging Face directory, or as a hub id already in the local
+    Hugging Face cache (zbench downloads nothing); anything else is a ConfigError on model.path saying what to do.
+    Cheap: reads no weights, so `zbench run --dry-run` checks every case's model with it."""
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ConfigError("model.path", f"{spec!r}: {path} has no config.json; give 'tiny', "
+                                         f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face "
+                                         "model directory")
+    if HUB_ID.match(spec):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            cached = Path(snapshot_download(spec, local_files_only=True))
+        except LocalEntryNotFoundError:
+            cached = None
+        if cached is not None and (cached / "config.json").is_file():
+            return cached
+        name = spec.rsplit("/", 1)[-1]
+        raise ConfigError("model.path", f"{spec!r} is not a local directory; as a Hugging Face hub id it is not in "
+                                         "the local Hugging Face cache either, and zbench downloads no model: "
+                                         f"download it first (`hf download {spec} --local-dir models/{name}`) and "
+                                         f"pass that directory (--set model.path=models/{name})")
+    raise ConfigError("model.path", f"{spec!r}: {path} is not a directory; give 'tiny', "
+                                     f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face model "
+                                     "directory")
+
+
+def check_model_path(spec: str) -> None:
+    """Raise the ConfigError a run of `spec` would meet, without building the embedded models."""
+    if spec != "tiny" and spec not in SHAPE_PRESETS:
+        local_model_dir(spec)
+
+
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
-    """Model directory for ``spec``: ``tiny``, a shape preset (``qwen3-0.6b``) or a local HF model directory."""
+    """Model directory for ``spec``: ``tiny``, a shape preset (``qwen3-0.6b``), a local HF model directory, or a
+    hub id in the local Hugging Face cache."""
     if spec == "tiny":
         return build_tiny(cache_dir)
     if spec in SHAPE_PRESETS:
         return build_shape_preset(spec, cache_dir)
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        what = "is not a directory" if not path.is_dir() else "has no config.json"
-        raise ValueError(f"model {spec!r}: {path} {what}; give 'tiny', "
-                         f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face model directory")
-    return path
+    return local_model_dir(spec)
 
 
 def special_ids(model_path: str) -> tuple[int, list[int]]:

@@ -92,7 +92,8 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
 
 
 def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
-    """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N)."""
+    """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N), one column per
+    phase in the spec's pipeline order under its readable name (phases the spec does not name follow, as named)."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
         int(spec.get("mean_from_step", 2))
     out = {}
@@ -101,7 +102,10 @@ def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
         cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude]
         if cols:
             out[c.name] = m[cols].mean()
-    return pd.DataFrame(out).T.fillna(0.0)
+    table = pd.DataFrame(out).T.fillna(0.0)
+    names = {f"{prefix}{phase}": label for phase, label in (spec.get("phases") or {}).items()}
+    order = [c for c in names if c in table.columns] + [c for c in table.columns if c not in names]
+    return table[order].rename(columns=lambda c: names.get(c, str(c).removeprefix(prefix)))
 
 
 TRAINING_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
@@ -186,12 +190,12 @@ def _png(fig) -> bytes:
 
 
 def phase_figure(phases: pd.DataFrame) -> bytes:
-    """Stacked horizontal bar of mean phase times per case."""
+    """Stacked horizontal bar of mean phase times per case, phases left to right in the order of the columns."""
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(phases) + 1.8), layout="constrained")
     left = pd.Series(0.0, index=phases.index)
     cmap = plt.get_cmap("tab10")
     for i, col in enumerate(phases.columns):
-        ax.barh(phases.index, phases[col], left=left, label=str(col).split("/", 1)[-1], color=cmap(i % 10))
+        ax.barh(phases.index, phases[col], left=left, label=str(col), color=cmap(i % 10))
         left += phases[col]
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (mean over steps 2..N)")

@@ -58,8 +58,9 @@ def _fmt(value: float) -> str:
 class Records:
     """Append-only step records of one case."""
 
-    def __init__(self, case_dir: Path):
+    def __init__(self, case_dir: Path, console: bool = True):
         self.case_dir = case_dir
+        self.console = console  # trainer.logger names console: each step's line goes to train.log
         self.metrics_path = case_dir / casedir.METRICS
         self.heartbeat_path = case_dir / casedir.HEARTBEAT
 
@@ -74,16 +75,18 @@ class Records:
         kept = [r for r in casedir.read_metrics(self.case_dir).records if r["step"] <= step]
         casedir.atomic_write_text(self.metrics_path, "".join(f"{json.dumps(r)}\n" for r in kept))
 
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one step's metrics, print its log line, beat."""
+    def step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Append one step's metrics, print its log line, beat; returns the metrics as recorded (finite floats)."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         record = {"step": step, "time": time.time(), **dict(sorted(clean.items()))}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        print(f"step:{step} - " + " - ".join(f"{k}:{_fmt(v)}" for k, v in sorted(clean.items())), flush=True)
+        if self.console:
+            print(f"step:{step} - " + " - ".join(f"{k}:{_fmt(v)}" for k, v in sorted(clean.items())), flush=True)
         self.beat()
+        return clean
 
     def result(self, info: dict[str, Any]) -> None:
         """The final record: its presence with all steps done marks the case completed."""

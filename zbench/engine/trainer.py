@@ -31,6 +31,7 @@ from zbench.engine.batches import (
 )
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
+from zbench.engine.trackers import Trackers
 from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
@@ -104,7 +105,7 @@ class Trainer:
             raise ConfigError("rollout.tensor_parallel_size", f"only the vllm backend shards generation; the "
                                                               f"{self.backend} backend runs a whole replica per rank: "
                                                               "use 1, or rollout.backend=vllm")
-        self.records = Records(case_dir)
+        self.records = Records(case_dir, console="console" in self.cfg.trainer.logger)
         self.plan = self.cfg.batch_plan()
         self.timing: dict[str, float] = {}
 
@@ -323,14 +324,17 @@ class Trainer:
               f"effective={offload.label} world_size={cfg.trainer.world_size} "
               f"device={'cuda' if self.on_cuda else 'cpu'} model={self.model_path}", flush=True)
         self.policy = self.critic = None
+        trackers = Trackers(cfg, self.case_dir)
+        completed = False
         try:
             self._start_workers()
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             for step in range(start_step + 1, cfg.steps + 1):
-                self.records.step(step, self.step(step))
+                trackers.log(step, self.records.step(step, self.step(step)))
                 if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
                     self.save(step)
+            completed = True
             result = {
                 "steps_completed": cfg.steps, "steps_target": cfg.steps, "offload_effective": offload.label,
                 "rollout_backend": self.info["backend"], "world_size": cfg.trainer.world_size,
@@ -338,11 +342,12 @@ class Trainer:
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
-                "fused_ops": self.info.get("fused_ops"),
+                "fused_ops": self.info.get("fused_ops"), "trackers": trackers.close(completed),
             }
             self.records.result(result)
             return result
         finally:
+            trackers.close(completed)
             self._shutdown()
 
     def _shutdown(self) -> None:

@@ -1,0 +1,125 @@
+"""How the curves read: a constant panel says so, colours are colour-blind-safe and never faint, legends name each
+case and each run root once (roots shortened), phase bars follow the pipeline, `plot --smooth N` draws a rolling
+mean. `zbench plot` runs as a subprocess; the figure it draws is then checked through the same renderer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.colors as mcolors
+import pandas as pd
+from PIL import Image
+from test_analysis_runroot import SIX_CASES, FakeCase, make_run_root
+
+from zbench.analyze.curves import PALETTE, case_styles, collect_series, render_curves, short_root_names
+from zbench.analyze.report import phase_times
+from zbench.runroot.read import load_run_root, load_spec
+
+
+def zbench(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zbench", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def figure(*roots: Path, smooth: int = 0):
+    series, _ = collect_series([load_run_root(r) for r in roots])
+    fig, _ = render_curves(series, load_spec("plot"), "t", smooth=smooth)
+    return fig
+
+
+def set_metric(root: Path, key: str, value: float) -> None:
+    for metrics in root.glob("*/metrics.jsonl"):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps({**r, key: value}) + "\n" for r in rows))
+
+
+def test_a_constant_panel_says_so(tmp_path: Path) -> None:
+    root = make_run_root(tmp_path, SIX_CASES[:3], steps=5)
+    set_metric(root, "critic/score/mean", 0.0)
+    res = zbench("plot", "--run-root", root)
+    assert res.returncode == 0, res.stderr
+    assert Image.open(root / "zero_six_curves.png").size[0] > 1000
+    score = figure(root).axes[2]
+    assert [t.get_text() for t in score.texts] == ["constant: 0\n(every case, steps 1–5)"]
+    assert not score.lines and not score.get_yticks().size
+    assert len(figure(root).axes[3].lines) == 3  # the loss varies: drawn as curves
+
+
+def test_palette_is_colour_blind_safe_and_never_faint() -> None:
+    """Okabe–Ito without its yellow: every colour has at least 2:1 contrast on white (the old light partners such
+    as #dbdb8d were as low as 1.45); twelve cases still get twelve distinct colour-and-marker styles."""
+
+    def contrast_on_white(color: str) -> float:
+        r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in mcolors.to_rgb(color))
+        return 1.05 / (0.2126 * r + 0.7152 * g + 0.0722 * b + 0.05)
+
+    assert all(contrast_on_white(c) >= 2.0 for c in PALETTE), [round(contrast_on_white(c), 2) for c in PALETTE]
+    names = [f"zero{s}_{o}_{a}" for s in (1, 2, 3) for o in ("none", "cpu") for a in ("ppo", "grpo")]
+    styles = case_styles(names)
+    assert len(set(styles.values())) == 12
+    assert sum(marker == "" for _, marker in styles.values()) == len(PALETTE)  # markers only past the colours
+
+
+def test_case_colour_follows_its_name_not_its_position() -> None:
+    names = [c.name for c in SIX_CASES]
+    assert case_styles(names) == case_styles(names[::-1])
+    assert len({color for color, _ in case_styles(names).values()}) == 6
+
+
+def test_overlay_legend_names_cases_once_and_roots_shortened(tmp_path: Path) -> None:
+    a = make_run_root(tmp_path, SIX_CASES[:2], steps=4, name="six-case_4_seed7777_20261121_120000")
+    b = make_run_root(tmp_path, SIX_CASES[:2], steps=4, name="six-case_4_seed7777_20261122_093000")
+    res = zbench("plot", "--run-root", a, "--run-root", b)
+    assert res.returncode == 0, res.stderr
+    labels = [t.get_text() for t in figure(a, b).legends[0].get_texts()]
+    assert labels == ["zero0", "zero1", "run 20261121_120000", "run 20261122_093000"]
+    single = [t.get_text() for t in figure(a).legends[0].get_texts()]
+    assert single == ["zero0", "zero1"]
+
+
+def test_short_root_names() -> None:
+    assert short_root_names(["h200x2-six-case-vllm-20261122", "h200x2-six-case-maskless-20261122"]) == \
+        {"h200x2-six-case-vllm-20261122": "vllm", "h200x2-six-case-maskless-20261122": "maskless"}
+    # one name the start of the other: the last shared word stays so that neither is empty
+    assert short_root_names(["run-a", "run-a-b"]) == {"run-a": "a", "run-a-b": "a-b"}
+    long = short_root_names(["x_" + "a" * 40, "x_" + "b" * 40])
+    assert all(len(v) == 28 and "…" in v for v in long.values())
+
+
+def test_legend_gives_the_status_of_a_case_that_stopped(tmp_path: Path) -> None:
+    root = make_run_root(tmp_path, (SIX_CASES[0], FakeCase("zero3", 3, status="oom", stop_step=2)), steps=4)
+    labels = [t.get_text() for t in figure(root).legends[0].get_texts()]
+    assert labels == ["zero0", "zero3 (oom at step 2)"]
+
+
+def test_smooth_draws_a_rolling_mean_over_the_raw_score(tmp_path: Path) -> None:
+    root = make_run_root(tmp_path, SIX_CASES[:1], steps=12)
+    res = zbench("plot", "--run-root", root, "--smooth", 4)
+    assert res.returncode == 0, res.stderr
+    tsv = pd.read_csv(root / "zero_six_curves_metrics.tsv", sep="\t")
+    raw = tsv["critic/score/mean"]
+    fig = figure(root, smooth=4)
+    score, loss = fig.axes[2], fig.axes[3]
+    assert "rolling mean over 4 steps" in score.get_title()
+    faint, mean = score.lines
+    assert faint.get_alpha() == 0.25 and list(faint.get_ydata()) == raw.tolist()  # the TSV keeps raw values
+    assert list(mean.get_ydata()) == raw.rolling(4, min_periods=1).mean().tolist()
+    assert len(loss.lines) == 1 and "rolling" not in loss.get_title()  # only the spec's `smooth` panels
+    bad = zbench("plot", "--run-root", root, "--smooth", 0)
+    assert bad.returncode == 2 and "--smooth" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_phase_bars_follow_the_pipeline_with_readable_names(tmp_path: Path) -> None:
+    root = make_run_root(tmp_path, SIX_CASES[:2], steps=4)
+    for metrics in root.glob("*/metrics.jsonl"):  # keys sorted, as the engine records them
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        metrics.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    columns = list(phase_times(load_run_root(root), load_spec("report")).columns)
+    assert columns == ["generate", "actor log-probs", "reference log-probs", "critic values", "advantages",
+                       "critic update", "actor update", "weights to rollout"]
+    res = zbench("report", "--run-root", root)
+    assert res.returncode == 0, res.stderr
+    assert Image.open(root / "phase_times.png").size[0] > 500
