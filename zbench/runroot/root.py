@@ -71,10 +71,12 @@ class RunRoot:
         command: Sequence[str] | None = None,
         runner: str = "local",
         environment: Mapping[str, Any] | None = None,
+        models: Mapping[str, Any] | None = None,
     ) -> RunRoot:
         """Create ``<results_dir>/<tag>_<YYYYmmdd_HHMMSS>/`` with its manifest and one directory per case.
 
-        ``environment`` defaults to ``collect_environment()``; ``command`` to ``sys.argv``.
+        ``environment`` defaults to ``collect_environment()``; ``command`` to ``sys.argv``; ``models`` says which
+        weights each model.path of the cases names (`zbench.models.describe_model`).
         """
         validate_name(tag, "tag")
         names = [validate_name(c.name, "case name") for c in cases]
@@ -108,6 +110,7 @@ class RunRoot:
             "gpus": env.get("gpus", []),
             "host": env.get("host", socket.gethostname()),
             "runner": runner,
+            "models": dict(models or {}),
             "started_at": utc_now(),
             "ended_at": None,
         }
