@@ -32,6 +32,10 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a conf
                                                                  "(e.g. zero.stage=3, model.path=/models/qwen3).")]
 
 
+CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated "
+                                                   "(e.g. 'zero3_*,zero2_cpu_offload').")]
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print an error (no traceback) and exit."""
     err_console.print(f"[red]error:[/red] {message}", highlight=False)
@@ -40,6 +44,10 @@ def fail(message: str, code: int = 2) -> None:
 
 def _sets(items: list[str] | None) -> tuple[tuple[str, object], ...]:
     return tuple(parse_set(i) for i in items or [])
+
+
+def _globs(cases: str | None) -> tuple[str, ...]:
+    return tuple(g.strip() for g in (cases or "").split(",") if g.strip())
 
 
 @app.command()
@@ -53,11 +61,11 @@ def matrices() -> None:
     """List the shipped matrices: name, number of cases, description."""
     from zbench.matrix import expand, load_matrix, shipped_matrices
 
-    table = Table("matrix", "cases", "description")
+    rows = []
     for name in shipped_matrices():
         m = load_matrix(name)
-        table.add_row(name, str(len(expand(m))), m.description)
-    console.print(table)
+        rows.append([name, str(len(expand(m))), m.description])
+    _print_table(["matrix", "cases", "description"], rows)
 
 
 @app.command()
@@ -66,28 +74,41 @@ def show(
     set_: SetOpt = None,
     seed: Annotated[int | None, typer.Option(help="Seed for every case.")] = None,
     steps: Annotated[int | None, typer.Option(help="Steps for every case.")] = None,
+    cases: CasesOpt = None,
     full: Annotated[bool, typer.Option(help="Print each case's whole resolved config.yaml.")] = False,
 ) -> None:
-    """Show the expanded cases of a matrix with their effective knobs."""
+    """Show the expanded cases of a matrix with their effective knobs (a table on a terminal, TSV when piped)."""
     from zbench.config import effective_offload
     from zbench.matrix import expand, load_matrix
 
     try:
-        cases = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_))
+        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_), case_globs=_globs(cases))
     except ConfigError as err:
         fail(str(err))
     if full:
-        for c in cases:
+        for c in chosen:
             print(f"# --- {c.name}\n{dump_yaml(c.config)}")
         return
-    table = Table("case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
-                  "overrides")
-    for c in cases:
+    rows = []
+    for c in chosen:
         cfg = c.config
         eff = effective_offload(cfg.zero.stage, cfg.zero.offload).label
-        table.add_row(c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
-                      str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
-                      ", ".join(f"{k}={v}" for k, v in c.overrides.items()))
+        rows.append([c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
+                     str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
+                     ", ".join(f"{k}={v}" for k, v in c.overrides.items())])
+    _print_table(["case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
+                  "overrides"], rows)
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A table on a terminal; tab-separated lines, nothing cut short, when stdout is a pipe or a file."""
+    if not sys.stdout.isatty():
+        for row in [header, *rows]:
+            print("\t".join(row))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -116,7 +137,7 @@ def run(
     seed: Annotated[int, typer.Option(help="Seed of every case (a matrix axis may set its own).")] = 7777,
     steps: Annotated[int, typer.Option(help="Training steps per case.")] = 60,
     set_: SetOpt = None,
-    cases: Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated.")] = None,
+    cases: CasesOpt = None,
     tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default <matrix>_<steps>_seed<seed>).")] = None,
     results_dir: Annotated[str, typer.Option(help="Where run roots are created.")] = "results",
     runner: Annotated[str, typer.Option(help="Runner profile: local, ray, or a YAML file.")] = "local",
@@ -133,7 +154,7 @@ def run(
 
     try:
         req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
-                         case_globs=tuple(g.strip() for g in (cases or "").split(",") if g.strip()), tag=tag,
+                         case_globs=_globs(cases), tag=tag,
                          results_dir=results_dir, runner=runner, case_timeout_s=case_timeout,
                          step_timeout_s=step_timeout, retries=retries)
         if dry_run:
