@@ -200,7 +200,9 @@ def resume(
 def merge(
     run_roots: Annotated[list[str], typer.Argument(help="Run roots, first the original run, then reruns.")],
     out: Annotated[str | None, typer.Option(help="Output TSV (default <first run root>/summary_complete.tsv).")] = None,
-    force: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace the output file if it exists.")] = False,
+    mixed_configs: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")
+                             ] = False,
 ) -> None:
     """Combine the summaries of several run roots; the latest completed attempt of each case wins (a case never
     completed: the attempt that got furthest)."""
@@ -208,7 +210,7 @@ def merge(
     from zbench.store import merge as merge_roots
 
     try:
-        result = merge_roots(run_roots, out, force)
+        result = merge_roots(run_roots, out, mixed_configs=mixed_configs, overwrite=force)
     except (StoreError, ValueError) as err:
         fail(str(err))
     for w in result.warnings:
