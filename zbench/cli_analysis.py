@@ -60,11 +60,11 @@ def report(
     typer.echo(f"wrote {result.markdown}\nwrote {result.html}")
 
 
-def _verdict(problems: list, label: str, ok: str) -> None:
-    """A gate's ending: each problem on stderr and exit 1, or the all-clear line."""
+def _verdict(problems: list, label: str, ok: str, failed: bool = False) -> None:
+    """A gate's ending: each problem on stderr and exit 1 (also when `failed` already), or the all-clear line."""
     for p in problems:
         typer.echo(f"{label} {p}", err=True)
-    if problems:
+    if problems or failed:
         raise typer.Exit(1)
     typer.echo(ok)
 
@@ -75,20 +75,27 @@ def compare(
     fail_on: Annotated[str | None, typer.Option(
         help="Thresholds 'metric:rule,...', e.g. 'perf/throughput:-5%,score_last:-0.05' (default: analysis spec).")
     ] = None,
+    fmt: Annotated[str, typer.Option("--format", help="text (a table), md (Markdown, for a PR) or json (for CI).")
+                   ] = "text",
+    force: Annotated[bool, typer.Option(help="Compare runs of different matrices or algorithms anyway.")] = False,
 ) -> None:
-    """Case-by-case deltas of two runs; exit 1 when a threshold is crossed or a case is missing/failed."""
-    from zbench.compare import compare as run_compare
-    from zbench.compare import default_thresholds, parse_fail_on, summary_of
+    """Case-by-case deltas of two runs; exit 1 when a threshold is crossed, a gated figure is recorded on one side
+    only, or a case is missing/failed in NEW."""
+    from zbench.compare import FORMATS, compare_sources, render
 
+    if fmt not in FORMATS:
+        raise _fail(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     try:
-        thresholds = parse_fail_on(fail_on) if fail_on else default_thresholds()
-        result = run_compare(summary_of(base), summary_of(new), thresholds)
+        result = compare_sources(base, new, fail_on, force)
     except (RunRootError, ValueError) as e:
         raise _fail(str(e)) from None
-    if not result.deltas.empty:
-        typer.echo(result.deltas.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-    typer.echo("thresholds: " + ", ".join(map(str, thresholds)))
-    _verdict(result.failures, "FAIL", "OK: no threshold crossed")
+    typer.echo(render(result, fmt))
+    for f in result.failures:
+        typer.echo(f"FAIL {f}", err=True)
+    if result.failures:
+        raise typer.Exit(1)
+    if fmt == "text":
+        typer.echo("OK: no threshold crossed")
 
 
 def parity(
@@ -109,7 +116,9 @@ def parity(
     groups = "; ".join(f"{algo}: {', '.join(names)}" for algo, names in result.groups.items())
     typer.echo(f"step {result.step}, rtol {result.rtol:g}, atol {result.atol:g}; {groups}; "
                f"{result.compared} values compared")
-    _verdict(result.mismatches, "DIVERGES", "OK: all cases agree")
+    for u in result.unchecked:
+        typer.echo(f"CANNOT CHECK {u}", err=True)
+    _verdict(result.mismatches, "DIVERGES", "OK: all cases agree", failed=bool(result.unchecked))
 
 
 def estimate(
