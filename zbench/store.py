@@ -750,7 +750,10 @@ def ray_cluster_status(address: str, timeout_s: float = 60.0) -> dict[str, Any]:
 def environment_report(ray_address: str | None = None) -> dict[str, Any]:
     """Everything ``zbench env`` prints: collect_environment (GPUs via torch), DeepSpeed ops, Ray cluster."""
     report = collect_environment(probe_torch=True)
-    report["deepspeed_ops"] = deepspeed_op_compatibility()
+    # DeepSpeed's logger writes to the stdout of its import ("Setting accelerator to CPU ..."): send it to stderr,
+    # so that stdout holds only the report (`zbench env --json | jq`)
+    with contextlib.redirect_stdout(sys.stderr):
+        report["deepspeed_ops"] = deepspeed_op_compatibility()
     if ray_address:
         report["ray"] = ray_cluster_status(ray_address)
     return report
