@@ -68,6 +68,16 @@ class ModelConfig:
             raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b' or a local Hugging Face model directory")
 
 
+def training_precision(dtype: str, on_cuda: bool) -> str:
+    """"bf16" or "fp32": what the engine trains in for `model.dtype` (auto: bf16 on a CUDA device, fp32 on CPU)."""
+    return "bf16" if dtype == "bf16" or (dtype == "auto" and on_cuda) else "fp32"
+
+
+def runs_on_cuda(device: str, cuda_available: bool) -> bool:
+    """Whether a case with `trainer.device` runs on CUDA where CUDA is (or is not) available."""
+    return device != "cpu" and cuda_available
+
+
 @dataclass(**_FROZEN)
 class DataConfig:
     """Training prompts: verl's GSM8K parquet schema, or generated arithmetic problems."""

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
+from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config, runs_on_cuda
 from zbench.engine import algos
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
@@ -140,7 +140,7 @@ class Trainer:
         want = self.cfg.trainer.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
-        self.on_cuda = want != "cpu" and torch.cuda.is_available()
+        self.on_cuda = runs_on_cuda(want, torch.cuda.is_available())
         from zbench.engine.vllm_rollout import installed_vllm, select_backend
 
         # a backend that cannot run here is a config error before anything starts

@@ -22,7 +22,14 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, from_dict
+from zbench.config import (
+    ConfigError,
+    RunConfig,
+    effective_offload,
+    from_dict,
+    runs_on_cuda,
+    training_precision,
+)
 from zbench.engine import algos
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
@@ -173,9 +180,9 @@ class _Worker:
         enable_stack_dumps(self.case_dir)  # a hung case prints where this worker is before it is killed
         self.model_path = model_path
         self.offload = effective_offload(self.cfg.zero.stage, self.cfg.zero.offload)
-        self.on_cuda = torch.cuda.is_available() and self.cfg.trainer.device != "cpu"
+        self.on_cuda = runs_on_cuda(self.cfg.trainer.device, torch.cuda.is_available())
         self.device = torch.device("cuda", 0) if self.on_cuda else torch.device("cpu")
-        self.bf16 = self.cfg.model.dtype == "bf16" or (self.cfg.model.dtype == "auto" and self.on_cuda)
+        self.bf16 = training_precision(self.cfg.model.dtype, self.on_cuda) == "bf16"
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         if not self.on_cuda:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
