@@ -1,7 +1,7 @@
 """zbench command line: parse, call one function, print. Every command's logic lives in its module.
 
     zbench run six-case --seed 7777 --steps 60
-    zbench plot --run-root results/six-case_60_seed7777_20261121_120000
+    zbench plot results/six-case_60_seed7777_20261121_120000
     zbench merge results/<first-run> results/<rerun-of-failed-cases>
 """
 
@@ -19,7 +19,7 @@ from rich.table import Table
 from zbench import __version__
 from zbench.config import ConfigError, dump_yaml, parse_set
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Which DeepSpeed ZeRO configuration for RL post-training, and what each costs.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training prompts (verl's GSM8K parquet schema).")
 app.add_typer(data_app, name="data")
@@ -50,10 +50,24 @@ def _globs(cases: str | None) -> tuple[str, ...]:
     return tuple(g.strip() for g in (cases or "").split(",") if g.strip())
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"zbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", help="Print zbench's version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
+) -> None:
+    """Which DeepSpeed ZeRO configuration for RL post-training, and what each costs."""
+
+
 @app.command()
 def version() -> None:
     """Print zbench's version."""
-    print(__version__)
+    print(f"zbench {__version__}")
 
 
 @app.command()

@@ -3,7 +3,6 @@ parity, estimate. Each parses, calls one function, prints."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -17,19 +16,48 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _run_roots(given: list[Path] | None, legacy: list[Path] | None, command: str) -> list[Path]:
+    """Run roots named as arguments; the older `--run-root` spelling still works, with a warning."""
+    if given and legacy:
+        raise _fail(f"give the run root(s) as arguments only: zbench {command} RUN_ROOT (drop --run-root)")
+    if legacy:
+        typer.echo(f"warning: --run-root is deprecated; name the run root as an argument: zbench {command} "
+                   f"{' '.join(map(str, legacy))}", err=True)
+    roots = list(given or legacy or [])
+    if not roots:
+        raise _fail(f"give a run root: zbench {command} RUN_ROOT")
+    return roots
+
+
+def _old_spelling(old: str, new: str) -> None:
+    typer.echo(f"warning: {old} is deprecated; use {new}", err=True)
+
+
+LegacyRunRoot = Annotated[list[Path] | None, typer.Option("--run-root", hidden=True,
+                                                          help="Deprecated: give the run root as an argument.")]
+
+
 def plot(
-    run_root: Annotated[list[Path], typer.Option("--run-root", help="Run root; repeat to overlay runs.")],
+    run_roots: Annotated[list[Path] | None, typer.Argument(
+        help="Run root(s); several overlay (before/after).", show_default=False)] = None,
     summary: Annotated[Path | None, typer.Option(help="Summary TSV to use instead of <run-root>/summary.tsv.")] = None,
-    output: Annotated[Path | None, typer.Option(help="PNG path (default <matrix>_curves.png in the run root).")] = None,
-    metrics_tsv: Annotated[Path | None, typer.Option(help="Metrics TSV path (default beside the PNG).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="PNG path (default <matrix>_curves.png in the (first) run root).")] = None,
+    metrics_tsv: Annotated[Path | None, typer.Option(
+        help="Metrics TSV path (default beside the PNG: <PNG name>_metrics.tsv).")] = None,
     max_step: Annotated[int | None, typer.Option(help="Plot steps up to N only.")] = None,
     spec: Annotated[str, typer.Option(help="Plot spec: a name in analysis/ or a YAML path.")] = "plot",
+    legacy_run_root: LegacyRunRoot = None,
+    legacy_output: Annotated[Path | None, typer.Option("--output", hidden=True, help="Deprecated: --out.")] = None,
 ) -> None:
     """Draw memory, throughput, score and loss curves of every case (2×2 PNG) and write their TSV."""
     from zbench.curves import plot_curves
 
+    roots = _run_roots(run_roots, legacy_run_root, "plot")
+    if legacy_output is not None:
+        _old_spelling("--output", "--out")
     try:
-        result = plot_curves(run_root, summary, output, metrics_tsv, max_step, spec)
+        result = plot_curves(roots, summary, out or legacy_output, metrics_tsv, max_step, spec)
     except RunRootError as e:
         raise _fail(str(e)) from None
     for w in result.warnings:
@@ -38,26 +66,34 @@ def plot(
 
 
 def report(
-    run_root: Annotated[Path, typer.Option("--run-root", help="Run root to report on.")],
+    run_root: Annotated[Path | None, typer.Argument(help="Run root to report on.", show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for report.md, report.html, curves.png and phase_times.png (default: the run root).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing report.md / report.html there.")] = False,
     floors: Annotated[Path | None, typer.Option(
         help="`zbench bench floor` JSON lines to set the training phases against (default <run-root>/floors.jsonl)."
     )] = None,
     summary: Annotated[Path | None, typer.Option(
         help="Summary TSV to use instead of <run-root>/summary.tsv (e.g. summary_complete.tsv from zbench merge)."
     )] = None,
+    legacy_run_root: LegacyRunRoot = None,
 ) -> None:
-    """Write report.md and a self-contained report.html into the run root."""
+    """Write report.md, a self-contained report.html, curves.png and phase_times.png into the run root (or --out);
+    an existing report is replaced only with --force."""
     from zbench.report import write_report
 
+    [root, *more] = _run_roots([run_root] if run_root else None, legacy_run_root, "report")
+    if more:
+        raise _fail("report takes one run root; to report several, merge them first (zbench merge)")
     if floors is not None and not floors.is_file():
         raise _fail(f"--floors: {floors} does not exist; give a file of `zbench bench floor` output lines")
     try:
-        result = write_report(run_root, floors=floors, summary=summary)
+        result = write_report(root, floors=floors, summary=summary, out_dir=out, overwrite=force)
     except (RunRootError, ValueError) as e:
         raise _fail(str(e)) from None
     for w in result.warnings:
         typer.echo(f"warning: {w}", err=True)
-    typer.echo(f"wrote {result.markdown}\nwrote {result.html}")
+    typer.echo("\n".join(f"wrote {p}" for p in result.written))
 
 
 def _verdict(problems: list, label: str, ok: str, failed: bool = False) -> None:
@@ -122,29 +158,33 @@ def parity(
 
 
 def estimate(
-    matrix: Annotated[str | None, typer.Argument(help="Matrix name or YAML path.")] = None,
-    run_root: Annotated[Path | None, typer.Option("--run-root", help="Estimate the cases of a run root.")] = None,
+    target: Annotated[str | None, typer.Argument(
+        help="A run root (the cases it ran), or a matrix name or YAML file (its cases, run on this machine).",
+        show_default=False)] = None,
+    legacy_run_root: LegacyRunRoot = None,
 ) -> None:
-    """Predict per-rank model-state memory of each case (GPU and CPU) from the ZeRO formulas."""
-    from zbench.memory import GIB, estimate_case
-    from zbench.runread import load_run_root, read_case_config
+    """Predict per-rank model-state memory of each case (GPU and CPU) from the ZeRO formulas, with parameters
+    counted by transformers from the model's own config, in the precision the engine trains in."""
+    from zbench.config import ConfigError
+    from zbench.memory import GIB, estimate_target
 
-    if (matrix is None) == (run_root is None):
-        raise _fail("give either a MATRIX or --run-root")
+    if target is not None and legacy_run_root:
+        raise _fail("give a run root or a matrix as the argument only (drop --run-root)")
+    if target is None:
+        target = str(_run_roots(None, legacy_run_root, "estimate")[0]) if legacy_run_root else None
+    if target is None:
+        raise _fail("give a run root, a shipped matrix name (zbench matrices) or a matrix YAML file: "
+                    "zbench estimate TARGET")
     try:
-        if run_root is not None:
-            run = load_run_root(run_root)
-            configs = [(read_case_config(c.dir), c.dir) for c in run.cases]
-        else:
-            from zbench.matrix import expand, load_matrix
-
-            configs = [(dataclasses.asdict(c.config) | {"name": c.name}, None)
-                       for c in expand(load_matrix(matrix))]
-        estimates = [estimate_case(cfg, base_dir=d) for cfg, d in configs]
-    except (RunRootError, ValueError) as e:
+        estimates = estimate_target(target)
+    except (RunRootError, ConfigError, ValueError) as e:
         raise _fail(str(e)) from None
-    typer.echo(f"{'case':<28}{'algo':>5}{'stage':>6} {'offload':<17}{'ranks':>6}{'params':>12}"
-               f"{'GPU GB/rank':>13}{'CPU GB/rank':>13}{'NVMe GB/rank':>14}")
+    width = max(len(e.case) for e in estimates) + 2
+    typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>14}"
+               f"{'device GB/rank':>16}{'host GB/rank':>14}{'NVMe GB/rank':>14}")
     for e in estimates:
-        typer.echo(f"{e.case:<28}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<17}{e.world_size:>6}"
-                   f"{e.n_params:>12,}{e.gpu_bytes / GIB:>13.3f}{e.cpu_bytes / GIB:>13.3f}{e.nvme_bytes / GIB:>14.3f}")
+        typer.echo(f"{e.case:<{width}}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<24}{e.world_size:>6}"
+                   f"{e.precision:>10}{e.n_params:>14,}{e.gpu_bytes / GIB:>16.3f}{e.cpu_bytes / GIB:>14.3f}"
+                   f"{e.nvme_bytes / GIB:>14.3f}")
+    typer.echo("model states per rank: device = the GPU (host memory when the case trains on CPU); host = states "
+               "offloaded to CPU memory; precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")

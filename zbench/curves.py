@@ -197,7 +197,7 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
     if not run_roots:
         raise RunRootError("no run root given")
     if summary is not None and len(run_roots) > 1:
-        raise RunRootError("--summary replaces one run root's summary.tsv: give a single --run-root with it")
+        raise RunRootError("--summary replaces one run root's summary.tsv: give a single run root with it")
     runs = [load_run_root(r, summary) for r in run_roots]
     plot_spec = load_spec(spec)
     series, warnings = collect_series(runs, max_step)
@@ -205,7 +205,10 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
         raise RunRootError(f"nothing to plot: no case of {', '.join(map(str, run_roots))} has recorded a step")
     overlay = len({s.case.root_name for s in series}) > 1
     png, tsv = default_names(runs[0], overlay)
-    png, tsv = Path(output or png), Path(metrics_tsv or tsv)
+    if output is not None:  # the TSV goes beside the PNG asked for, named after it
+        png = Path(output)
+        tsv = png.with_name(f"{png.stem}_metrics.tsv")
+    tsv = Path(metrics_tsv or tsv)
     title = f"{runs[0].matrix} — " + " vs ".join(dict.fromkeys(s.case.root_name for s in series))
     panels = _resolve_panels(plot_spec, series)
     fig, table = render_curves(series, plot_spec, title, panels)

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from zbench.curves import collect_series, default_names, render_curves
+from zbench.curves import collect_series, render_curves
 from zbench.memory import GIB, estimate_case
 from zbench.runread import (
     RunRoot,
@@ -34,7 +34,11 @@ class Report:
 
     markdown: Path
     html: Path
+    written: list[Path]
     warnings: list[str]
+
+
+REPORT_FILES = ("report.md", "report.html", "curves.png", "phase_times.png")
 
 
 def environment_lines(manifest: dict) -> list[str]:
@@ -228,17 +232,25 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px;color
 
 
 def write_report(root: Path, spec: str | Path = "report", floors: Path | None = None,
-                 summary: Path | None = None) -> Report:
-    """Write report.md and report.html (with curves and phase figures) into the run root; training phases are
-    set against the floors in `floors` (default: the run root's floors.jsonl, if any). `summary` (e.g. the
-    `zbench merge` output) replaces the run root's own summary, so reruns in other run roots are reported too."""
+                 summary: Path | None = None, out_dir: Path | None = None, overwrite: bool = False) -> Report:
+    """Write report.md and report.html, and the curves.png and phase_times.png they show, into `out_dir`
+    (default: the run root); nothing else. Training phases are set against the floors in `floors` (default: the
+    run root's floors.jsonl, if any). `summary` (e.g. the `zbench merge` output) replaces the run root's own
+    summary, so reruns in other run roots are reported too. An existing report there is an error unless
+    `overwrite`."""
     run = load_run_root(root, summary)
+    out = Path(out_dir) if out_dir is not None else run.path
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for {', '.join(REPORT_FILES)}")
+    earlier = [out / n for n in REPORT_FILES[:2] if (out / n).exists()]
+    if earlier and not overwrite:
+        raise ValueError(f"{' and '.join(map(str, earlier))} already exist(s); pass --force to replace the report, "
+                         "or --out DIR to write it elsewhere")
     rspec = load_spec(spec)
     table, base = case_table(run, rspec.get("baseline"))
     series, warnings = collect_series([run])
     fig, _ = render_curves(series, load_spec("plot"), f"{run.matrix} — {run.name}")
     curves_png = _png(fig)
-    default_names(run, overlay=False)[0].write_bytes(curves_png)
     phases = phase_times(run, rspec)
     phase_png = phase_figure(phases) if not phases.empty else b""
     mem = memory_table(run)
@@ -257,12 +269,16 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
 
     md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",
           f"## Cases (baseline: {base})", "", _md_table(table), "## Curves", "", "![curves](curves.png)", "",
-          "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds),
+          *(["## Phase times", "", "![phases](phase_times.png)", ""] if phase_png else []), f"## {speed_title}", "", _md_table(speeds),
           *([speed_note, ""] if speed_note else []),
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
-    (run.path / "phase_times.png").write_bytes(phase_png)
-    (run.path / "curves.png").write_bytes(curves_png)
-    md_path, html_path = run.path / "report.md", run.path / "report.html"
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "curves.png"]
+    (out / "curves.png").write_bytes(curves_png)
+    if phase_png:
+        (out / "phase_times.png").write_bytes(phase_png)
+        written.append(out / "phase_times.png")
+    md_path, html_path = out / "report.md", out / "report.html"
     _atomic_write(md_path, "\n".join(md) + "\n")
 
     def img(data: bytes, alt: str) -> str:
@@ -278,7 +294,7 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
             + "</body></html>")
     _atomic_write(html_path, page)
-    return Report(md_path, html_path, run.warnings + warnings + floor_warnings)
+    return Report(md_path, html_path, [md_path, html_path, *written], run.warnings + warnings + floor_warnings)
 
 
 def _atomic_write(path: Path, text: str) -> None:
