@@ -20,6 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from zbench.memory_figures import HOST, LEADING_ORDER
 from zbench.runread import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
 # Ten strong colours first, then their light partners: hashing lands on the strong ones as often.
@@ -82,12 +83,22 @@ def _resolve_panels(spec: dict[str, Any], series: list[Series]) -> list[dict[str
     (or its older single `cpu_fallback`) that some case has."""
     panels = []
     for panel in spec["panels"]:
+        if panel.get("memory") == "leading":
+            panel = memory_panel()
         chain = panel.get("fallbacks") or ([panel["cpu_fallback"]] if panel.get("cpu_fallback") else [])
         if chain and not any(_has(s, panel) for s in series):
             candidates = [{**panel, **f} for f in chain]
             panel = next((c for c in candidates if any(_has(s, c) for s in series)), candidates[-1])
         panels.append(panel)
     return panels
+
+
+def memory_panel() -> dict[str, Any]:
+    """The panel a spec asks for with `memory: leading`: the leading memory figure (zbench.memory_figures), then
+    the figures that lead in its place in runs that lack it, each titled as what it is."""
+    chain = [{"title": f.label + ("" if f == HOST else " (max over ranks)"), "metric": f.metric, "ylabel": "GB"}
+             for f in LEADING_ORDER]
+    return {**chain[0], "fallbacks": chain[1:]}
 
 
 def collect_series(runs: list[RunRoot], max_step: int | None = None) -> tuple[list[Series], list[str]]:

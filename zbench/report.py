@@ -18,6 +18,7 @@ import pandas as pd
 
 from zbench.curves import collect_series, render_curves
 from zbench.memory import GIB, estimate_case
+from zbench.memory_figures import ALLOCATED, DEVICE, HOST, RESERVED, MemoryFigure, leading
 from zbench.runread import (
     RunRoot,
     load_run_root,
@@ -75,22 +76,26 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
     base = next((c for c in run.cases if c.name == baseline), None) if baseline else done[0]
     if base is None:
         raise ValueError(f"report baseline {baseline!r} is not a case of {run.path}")
-    gpu = not all(math.isnan(c.value("max_memory_reserved_gb")) for c in run.cases)
-    mem_col = "max_memory_reserved_gb" if gpu else "cpu_memory_used_gb"
+    lead = leading(lambda f: recorded(run, f))
     rows = []
     for c in run.cases:
-        mem, base_mem = c.value(mem_col), base.value(mem_col)
+        mem, base_mem = c.value(lead.column), base.value(lead.column)
         rows.append({
             "case": c.name, "status": c.status,
             "steps": f"{_count(c.value('steps_completed'))}/{_count(c.value('steps_target'))}",
             "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
-            f"peak {'GPU' if gpu else 'CPU'} memory (GB)": mem,
+            f"peak {lead.heading}": mem,
             "final score": c.value("score_last"), "best score": c.value("score_max"),
             "memory saved (%)": (1 - mem / base_mem) * 100 if base_mem else math.nan,
             "speed ×": c.value("throughput_mean") / base.value("throughput_mean"),
             "score Δ": c.value("score_last") - base.value("score_last"),
         })
     return pd.DataFrame(rows), base.name
+
+
+def recorded(run: RunRoot, figure: MemoryFigure) -> bool:
+    """Whether some case of the run has a value of a memory figure in its summary row."""
+    return any(not math.isnan(c.value(figure.column)) for c in run.cases)
 
 
 def steady_steps(m: pd.DataFrame, start: int) -> pd.DataFrame:
@@ -173,7 +178,9 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
 
 
 def memory_table(run: RunRoot) -> pd.DataFrame:
-    """Predicted per-rank memory (ZeRO formulas) beside measured peaks."""
+    """Predicted per-rank memory (ZeRO formulas) beside measured peaks, the leading figure first."""
+    lead = leading(lambda f: recorded(run, f))
+    measured = [lead, *(f for f in (DEVICE, RESERVED, ALLOCATED, HOST) if f != lead and recorded(run, f))]
     rows = []
     for c in run.cases:
         cfg = read_case_config(c.dir)
@@ -183,10 +190,9 @@ def memory_table(run: RunRoot) -> pd.DataFrame:
             rows.append({"case": c.name, "note": str(e)})
             continue
         rows.append({"case": c.name, "stage": est.stage, "offload": est.offload_effective,
-                     "predicted GPU (GB)": est.gpu_bytes / GIB, "predicted CPU (GB)": est.cpu_bytes / GIB,
-                     "measured GPU reserved (GB)": c.value("max_memory_reserved_gb"),
-                     "measured GPU in use, device-wide (GB)": c.value("device_memory_used_gb"),
-                     "measured CPU used (GB)": c.value("cpu_memory_used_gb")})
+                     "predicted on the training device (GB)": est.gpu_bytes / GIB,
+                     "predicted offloaded to CPU (GB)": est.cpu_bytes / GIB,
+                     **{f"measured {f.heading}": c.value(f.column) for f in measured}})
     return pd.DataFrame(rows)
 
 
