@@ -135,14 +135,16 @@ def env(ray_address: Annotated[str | None, typer.Option(help="Also report this R
     report = environment_report(ray_address)
     if as_json:
         print(json.dumps(report, indent=2, default=str))
-        return
-    for key, value in report.items():
-        if isinstance(value, dict):
-            console.print(f"[bold]{key}[/bold]")
-            for k, v in value.items():
-                console.print(f"  {k}: {v}", highlight=False)
-        else:
-            console.print(f"[bold]{key}[/bold]: {value}", highlight=False)
+    else:
+        for key, value in report.items():
+            if isinstance(value, dict):
+                console.print(f"[bold]{key}[/bold]")
+                for k, v in value.items():
+                    console.print(f"  {k}: {v}", highlight=False)
+            else:
+                console.print(f"[bold]{key}[/bold]: {value}", highlight=False)
+    if "error" in report.get("ray", {}):
+        fail(f"--ray-address {ray_address}: {report['ray']['error']}", code=1)
 
 
 @app.command()
@@ -251,8 +253,8 @@ def data_gsm8k(
 @data_app.command("synthetic")
 def data_synthetic(
     out: Annotated[Path, typer.Option(help="Folder for train.parquet / test.parquet.")] = Path("data/synthetic"),
-    n_train: Annotated[int, typer.Option(help="Training problems.")] = 4096,
-    n_test: Annotated[int, typer.Option(help="Test problems.")] = 512,
+    n_train: Annotated[int, typer.Option(min=1, help="Training problems.")] = 4096,
+    n_test: Annotated[int, typer.Option(min=1, help="Test problems.")] = 512,
     seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
 ) -> None:
     """Generate GSM8K-style arithmetic problems in the same schema."""
@@ -281,12 +283,12 @@ def bench_floor(
     stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several [2].")] = None,
     offload: Annotated[list[str] | None, typer.Option(
         help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload) [none].")] = None,
-    seqs: Annotated[int | None, typer.Option(help="Sequences per rank per optimizer step [32].")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [612].")] = None,
-    micro: Annotated[int | None, typer.Option(help="Micro-batch per rank [8].")] = None,
-    world_size: Annotated[int | None, typer.Option(help="Ranks (GPUs) [1].")] = None,
-    steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
+    seqs: Annotated[int | None, typer.Option(min=1, help="Sequences per rank per optimizer step [32].")] = None,
+    seq_len: Annotated[int | None, typer.Option(min=1, help="Tokens per sequence [612].")] = None,
+    micro: Annotated[int | None, typer.Option(min=1, help="Micro-batch per rank [8].")] = None,
+    world_size: Annotated[int | None, typer.Option(min=1, help="Ranks (GPUs) [1].")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Timed optimizer steps.")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
     fused_ops: Annotated[bool, typer.Option(
         help="The engine's lean RMSNorm and SwiGLU, as `model.fused_ops` (the engine's default) gives them.")] = True,
@@ -316,8 +318,9 @@ def bench_floor(
                 err_console.print(f"warning: {note}", markup=False, highlight=False)
             out = like / "floors.jsonl"
         else:
-            specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=seqs or 32, seq_len=seq_len or 612,
-                               micro=micro or 8, world_size=world_size or 1, steps=steps, warmup=warmup,
+            specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=_or(seqs, 32),
+                               seq_len=_or(seq_len, 612), micro=_or(micro, 8), world_size=_or(world_size, 1),
+                               steps=steps, warmup=warmup,
                                gradient_checkpointing=gradient_checkpointing, fused_ops=fused_ops, head=hd)
                      for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
         groups: dict[tuple[str, int], list[FloorSpec]] = {}
@@ -334,6 +337,10 @@ def bench_floor(
         fail(str(err))
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def _emit(results: list[dict], out: Path | None) -> None:
     """Print floor records, and append them to `out` when given."""
     for result in results:
@@ -346,9 +353,9 @@ def _emit(results: list[dict], out: Path | None) -> None:
 @bench_app.command("gen")
 def bench_gen(
     model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
-    prompts: Annotated[int, typer.Option(help="Prompts in the batch.")] = 64,
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 100,
-    new_tokens: Annotated[int, typer.Option(help="Generated tokens per prompt (forced).")] = 512,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 64,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens.")] = 100,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens per prompt (forced).")] = 512,
     decode: Annotated[str, typer.Option(
         help="generate (dynamic KV cache), static (generate, static cache, compiled), graph (zbench's CUDA-graph "
              "decode loop).")] = "generate",
@@ -358,7 +365,10 @@ def bench_gen(
 
     if decode not in DECODES:
         fail(f"--decode: {decode!r} is not one of {', '.join(DECODES)}")
-    print(json.dumps(generation(model, prompts, prompt_len, new_tokens, decode)))
+    try:
+        print(json.dumps(generation(model, prompts, prompt_len, new_tokens, decode)))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
 
 
 def _register_analysis() -> None:
@@ -373,8 +383,16 @@ _register_analysis()
 
 
 def main() -> None:
-    """Console-script entry."""
-    app()
+    """Console-script entry; a file the system refuses (a folder where a file should be, no permission, a full
+    disk) ends as a one-line error naming it, not a traceback."""
+    try:
+        app()
+    except OSError as err:
+        what = {FileExistsError: "is a file where a folder is needed", NotADirectoryError: "is a file where a folder "
+                "is needed", IsADirectoryError: "is a folder where a file is needed"}.get(type(err), err.strerror)
+        where = f"{err.filename}: " if err.filename else ""
+        err_console.print(f"[red]error:[/red] {where}{what or err}", highlight=False)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
