@@ -28,8 +28,9 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay one line: greppable, copyable
 
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key for every case: key=value "
-                                                                 "(e.g. zero.stage=3, model.path=/models/qwen3).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help=(
+    "Override a config key for every case: key=value (e.g. rollout.max_new_tokens=256, model.path=/models/qwen3); "
+    "a key a case's name stands for (a matrix axis, e.g. zero.stage) is refused: choose cases with --cases."))]
 
 
 CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated "
@@ -62,12 +63,6 @@ def _options(
                                           callback=_print_version)] = False,
 ) -> None:
     """Which DeepSpeed ZeRO configuration for RL post-training, and what each costs."""
-
-
-@app.command()
-def version() -> None:
-    """Print zbench's version."""
-    print(f"zbench {__version__}")
 
 
 @app.command()
