@@ -17,6 +17,18 @@ class ModelSize:
     largest_module_params: int
 
 
+def _where(spec: str, base_dir: Path | None) -> str:
+    """`spec` itself for an embedded model, else the model directory it names (relative paths from `base_dir`)."""
+    from zbench.engine.models import SHAPE_PRESETS
+
+    if spec == "tiny" or spec in SHAPE_PRESETS:
+        return spec
+    path = Path(spec).expanduser()
+    if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_dir():
+        path = Path(base_dir) / path
+    return str(path)
+
+
 def model_config(spec: str, base_dir: Path | None = None):
     """The transformers config of `model.path`: an embedded model (tiny, a shape preset) or a local model
     directory (relative paths from `base_dir`)."""
@@ -29,9 +41,7 @@ def model_config(spec: str, base_dir: Path | None = None):
         return tiny_config(recipe, build_tokenizer(recipe))
     if spec in SHAPE_PRESETS:
         return SHAPE_PRESETS[spec]()
-    path = Path(spec).expanduser()
-    if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_dir():
-        path = Path(base_dir) / path
+    path = Path(_where(spec, base_dir))
     if not (path / "config.json").is_file():
         what = "is not a directory" if not path.is_dir() else "has no config.json"
         raise ValueError(f"model.path {spec!r}: {path} {what}; give 'tiny', "
@@ -42,13 +52,22 @@ def model_config(spec: str, base_dir: Path | None = None):
         raise ValueError(f"model.path {spec!r}: transformers cannot read {path / 'config.json'}: {err}") from None
 
 
-@functools.lru_cache(maxsize=16)
 def model_size(spec: str, base_dir: Path | None = None) -> ModelSize:
-    """Count the parameters of `model.path` from a meta-device instance of its causal-LM class."""
+    """Count the parameters of `model.path` from a meta-device instance of its causal-LM class (once per model,
+    however many cases name it)."""
+    where = _where(spec, base_dir)
+    try:
+        return _count(where)
+    except ValueError as err:  # name the model as the config did
+        raise ValueError(str(err).replace(repr(where), repr(spec), 1)) from None
+
+
+@functools.lru_cache(maxsize=16)
+def _count(spec: str) -> ModelSize:
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = model_config(spec, base_dir)
+    config = model_config(spec)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
