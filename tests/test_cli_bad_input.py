@@ -23,6 +23,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "foreign.tsv").write_text("a\tb\n1\t2\n")
     (d / "torn.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+')
     (d / "a_file").write_text("not a folder\n")
+    (d / "panels.yaml").write_text("panels: 3\n")
     root = make_run_root(d, SIX_CASES[:2], steps=2, name="no_status_column")
     rows = read_rows(root / "summary.tsv")
     write_summary(root / "summary.tsv", rows, tuple(c for c in rows[0] if c != "status"))
@@ -52,6 +53,8 @@ CASES: list[tuple[list[str], str]] = [
     (["plot", "{bad}/no_status_column"], "missing summary column(s) status"),
     (["plot", "{bad}/torn_metrics"], "nothing to plot"),
     (["plot", "{bad}/no_status_column", "--summary", "{bad}/foreign.tsv"], "foreign.tsv: missing summary column(s)"),
+    (["plot", "{bad}/torn_metrics", "--spec", "{bad}/bad.yaml"], "bad.yaml: not valid YAML"),
+    (["plot", "{bad}/torn_metrics", "--spec", "{bad}/panels.yaml"], "panels must be a list of {title: ..., metric"),
     (["report", "{bad}/nosuch"], "does not exist"),
     (["report", "{bad}/torn_metrics", "--floors", "{bad}/nosuch.jsonl"], "--floors:"),
     (["report", "{bad}/torn_metrics", "--out", "{bad}/a_file"], "a_file is a file; give a folder"),
@@ -62,6 +65,7 @@ CASES: list[tuple[list[str], str]] = [
     (["compare", "{bad}/torn_metrics", "{bad}/torn_metrics", "--fail-on", "bogus:-5%"], "unknown metric 'bogus'"),
     (["parity", "{bad}/torn_manifest"], "manifest.json: not valid JSON"),
     (["parity", "{bad}/torn_metrics", "--step", "x"], "Invalid value for '--step'"),
+    (["parity", "{bad}/torn_metrics", "--step", "0"], "Invalid value for '--step': Input should be greater than"),
     (["estimate", "{bad}/nosuch"], "does not exist: give a run root"),
     (["estimate", "{bad}/bad.yaml"], "bad.yaml: malformed YAML"),
     (["data", "gsm8k", "--src", "{bad}/torn.jsonl", "--out", "{bad}/out"], "torn.jsonl:2: not valid JSON"),

@@ -45,7 +45,7 @@ def plot(
         help="PNG path (default <matrix>_curves.png in the (first) run root).")] = None,
     metrics_tsv: Annotated[Path | None, typer.Option(
         help="Metrics TSV path (default beside the PNG: <PNG name>_metrics.tsv).")] = None,
-    max_step: Annotated[int | None, typer.Option(help="Plot steps up to N only.")] = None,
+    max_step: Annotated[int | None, typer.Option(min=1, help="Plot steps up to N only.")] = None,
     spec: Annotated[str, typer.Option(help="Plot spec: a name in analysis/ or a YAML path.")] = "plot",
     legacy_run_root: LegacyRunRoot = None,
     legacy_output: Annotated[Path | None, typer.Option("--output", hidden=True, help="Deprecated: --out.")] = None,
@@ -136,9 +136,11 @@ def compare(
 
 def parity(
     run_root: Annotated[Path, typer.Argument(help="Run root whose cases share a seed.")],
-    step: Annotated[int, typer.Option(help="Step whose metrics are compared.")] = 1,
-    rtol: Annotated[float | None, typer.Option(help="Relative tolerance (default per device, analysis spec).")] = None,
-    atol: Annotated[float | None, typer.Option(help="Absolute tolerance (default per device, analysis spec).")] = None,
+    step: Annotated[int, typer.Option(min=1, help="Step whose metrics are compared.")] = 1,
+    rtol: Annotated[float | None, typer.Option(min=0.0, help="Relative tolerance (default per device, analysis spec).")
+                    ] = None,
+    atol: Annotated[float | None, typer.Option(min=0.0, help="Absolute tolerance (default per device, analysis spec).")
+                    ] = None,
 ) -> None:
     """Check that step-K math metrics agree across the cases of one algorithm; exit 1 naming any that diverge."""
     from zbench.parity import check_parity

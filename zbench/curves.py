@@ -211,6 +211,12 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
         raise RunRootError("--summary replaces one run root's summary.tsv: give a single run root with it")
     runs = [load_run_root(r, summary) for r in run_roots]
     plot_spec = load_spec(spec)
+    panels_given = plot_spec.get("panels")
+    if not isinstance(panels_given, list) or not all(
+            isinstance(p, dict) and (p.get("memory") == "leading" or {"title", "metric"} <= set(p))
+            for p in panels_given):
+        raise RunRootError(f"plot spec {spec}: panels must be a list of {{title: ..., metric: ...}} mappings (or "
+                           f"{{memory: leading}}), got {panels_given!r}")
     series, warnings = collect_series(runs, max_step)
     if not series:
         raise RunRootError(f"nothing to plot: no case of {', '.join(map(str, run_roots))} has recorded a step")
