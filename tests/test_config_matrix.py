@@ -166,3 +166,13 @@ def test_show_prints_whole_names_when_piped() -> None:
     assert res.returncode == 0, res.stderr
     names = [line.split("\t")[0] for line in res.stdout.splitlines()[1:]]
     assert names == [c.name for c in expand(load_matrix("twelve-case"))] and "grpo_zero3_cpu_offload" in names
+
+
+def test_runner_workers_fill_in_below_a_matrix_that_sets_its_own(tmp_path: Path) -> None:
+    """A runner's num_workers is the ranks of a case that names none; a case named for its ranks keeps them."""
+    matrix = write(tmp_path, "base: {algorithm: ppo}\naxes:\n  ranks: {one: {trainer.world_size: 1}}"
+                             "\ncases: [{name: plain, set: {zero.stage: 2}}]\n")
+    runner = write(tmp_path, "num_workers: 2\n", "two.yaml")
+    res = zbench("run", matrix, "--runner", runner, "--dry-run", "--steps", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["one\ttrainer.world_size=1", "plain\ttrainer.world_size=2 zero.stage=2"]

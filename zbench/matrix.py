@@ -188,11 +188,14 @@ def expand(
     steps: int | None = None,
     sets: Iterable[tuple[str, Any]] = (),
     case_globs: Iterable[str] = (),
+    run_defaults: Mapping[str, Any] | None = None,
 ) -> list[Case]:
-    """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values."""
+    """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values,
+    `run_defaults` (the runner's worker count) before them."""
     sets = list(sets)
-    # Precedence, lowest first: base, the run's --seed/--steps, the case's own axis values, then --set.
-    run_level: dict[str, Any] = {}
+    # Precedence, lowest first: base, the run's --seed/--steps and runner defaults, the case's own axis values,
+    # then --set.
+    run_level: dict[str, Any] = dict(run_defaults or {})
     if seed is not None:
         run_level["seed"] = seed
     if steps is not None:
@@ -230,5 +233,6 @@ def expand(
         for key, value in sets:
             set_dotted(data, key, value, "--set")
         cfg = from_dict(data, f"{matrix.source} (case {name})")
-        cases.append(Case(name, cfg, {**overrides, **dict(sets)}))
+        defaults = {k: v for k, v in (run_defaults or {}).items() if k not in overrides}
+        cases.append(Case(name, cfg, {**defaults, **overrides, **dict(sets)}))
     return cases

@@ -34,11 +34,11 @@ class RunRequest:
 
 
 def plan_cases(req: RunRequest, profile: RunnerProfile) -> list[Case]:
-    """The matrix's cases for this request; the runner's worker count applies unless `--set` names one."""
-    sets = list(req.sets)
-    if profile.num_workers is not None and not any(k == "trainer.world_size" for k, _ in sets):
-        sets.insert(0, ("trainer.world_size", profile.num_workers))
-    return expand(load_matrix(req.matrix), seed=req.seed, steps=req.steps, sets=sets, case_globs=req.case_globs)
+    """The matrix's cases for this request; the runner's worker count applies unless the case or `--set` names
+    one."""
+    workers = {} if profile.num_workers is None else {"trainer.world_size": profile.num_workers}
+    return expand(load_matrix(req.matrix), seed=req.seed, steps=req.steps, sets=req.sets, case_globs=req.case_globs,
+                  run_defaults=workers)
 
 
 def prepare_models(specs: set[str], out: TextIO) -> None:
