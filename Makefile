@@ -22,7 +22,7 @@ install: $(BIN)/zbench
 demo: install
 	$(BIN)/zbench run six-case --seed $(SEED) --steps $(STEPS)
 	root="$$(ls -d results/six-case_$(STEPS)_seed$(SEED)_* | tail -n 1)"; \
-	  $(BIN)/zbench plot --run-root "$$root" && $(BIN)/zbench report --run-root "$$root"
+	  $(BIN)/zbench plot "$$root" && $(BIN)/zbench report "$$root"
 
 test: install
 	$(BIN)/ruff check zbench tests benchmarks

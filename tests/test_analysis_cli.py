@@ -28,7 +28,7 @@ def invoke(*args: str):
 def test_plot_defaults_and_metrics_tsv(tmp_path):
     cases = (FakeCase("zero0", 0, status="oom", stop_step=4), *SIX_CASES[1:])
     root = make_run_root(tmp_path, cases, steps=10, device="cuda")
-    r = invoke("plot", "--run-root", root)
+    r = invoke("plot", root)
     assert r.exit_code == 0, r.output
     png, tsv = root / "zero_six_curves.png", root / "zero_six_curves_metrics.tsv"
     assert Image.open(png).size[0] > 1000
@@ -41,7 +41,7 @@ def test_plot_defaults_and_metrics_tsv(tmp_path):
 def test_plot_cpu_fallback_overlay_and_max_step(tmp_path):
     a = make_run_root(tmp_path, SIX_CASES[:2], steps=6, matrix="grpo-six", name="before")
     b = make_run_root(tmp_path, SIX_CASES[:2], steps=6, matrix="grpo-six", name="after")
-    r = invoke("plot", "--run-root", a, "--run-root", b, "--max-step", 3)
+    r = invoke("plot", a, b, "--max-step", 3)
     assert r.exit_code == 0, r.output
     df = pd.read_csv(a / "grpo-six_overlay_curves_metrics.tsv", sep="\t")
     assert "perf/cpu_memory_used_gb" in df.columns and "perf/max_memory_reserved_gb" not in df.columns
@@ -52,14 +52,14 @@ def test_plot_memory_panel_prefers_the_whole_device_figure(tmp_path):
     """GPU runs draw the device-wide memory in use where recorded, else torch's reserved peak (runs before the
     device-wide figure existed); CPU runs fall through to CPU memory (test above)."""
     old = make_run_root(tmp_path, SIX_CASES[:2], steps=3, device="cuda", name="old")
-    assert invoke("plot", "--run-root", old).exit_code == 0
+    assert invoke("plot", old).exit_code == 0
     df = pd.read_csv(next(old.glob("*_curves_metrics.tsv")), sep="\t")
     assert "perf/max_memory_reserved_gb" in df.columns and "perf/device_memory_used_gb" not in df.columns
     new = make_run_root(tmp_path, SIX_CASES[:2], steps=3, device="cuda", name="new")
     metrics = new / SIX_CASES[0].name / "metrics.jsonl"  # one case is enough for the panel to be drawn
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     metrics.write_text("".join(json.dumps({**r, "perf/device_memory_used_gb": 40.0 + r["step"]}) + "\n" for r in rows))
-    r = invoke("plot", "--run-root", new)
+    r = invoke("plot", new)
     assert r.exit_code == 0, r.output
     df = pd.read_csv(next(new.glob("*_curves_metrics.tsv")), sep="\t")
     assert "perf/device_memory_used_gb" in df.columns and "perf/max_memory_reserved_gb" not in df.columns
@@ -70,12 +70,12 @@ def test_plot_memory_panel_prefers_the_whole_device_figure(tmp_path):
 
 def test_plot_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
-    r = invoke("plot", "--run-root", tmp_path / "empty")
+    r = invoke("plot", tmp_path / "empty")
     assert r.exit_code == 2 and "is empty" in r.output
     root = make_run_root(tmp_path, steps=2)
     cols = tuple(c for c in read_rows(root / "summary.tsv")[0] if c != "status")
     write_summary(root / "summary.tsv", read_rows(root / "summary.tsv"), cols)
-    r = invoke("plot", "--run-root", root)
+    r = invoke("plot", root)
     assert r.exit_code == 2 and "missing summary column(s) status" in r.output
 
 
@@ -129,7 +129,7 @@ def test_parity_detects_divergence(tmp_path):
 
 def test_estimate_run_root(tmp_path):
     root = make_run_root(tmp_path, SIX_CASES[:2], steps=1, model="qwen3-0.6b")
-    r = invoke("estimate", "--run-root", root)
+    r = invoke("estimate", root)
     assert r.exit_code == 0 and "596,049,920" in r.output
     assert invoke("estimate").exit_code == 2
 
@@ -137,7 +137,7 @@ def test_estimate_run_root(tmp_path):
 def test_report_renders_in_headless_chromium(tmp_path):
     root = make_run_root(tmp_path, (FakeCase("zero0", 0, status="oom", stop_step=3), *SIX_CASES[1:]),
                          steps=8, device="cuda")
-    r = invoke("report", "--run-root", root)
+    r = invoke("report", root)
     assert r.exit_code == 0, r.output
     md, page = (root / "report.md").read_text(), (root / "report.html").read_text()
     assert "baseline: zero1" in md and "| zero0 | oom | 3/8 |" in md
@@ -156,7 +156,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 def test_report_without_completed_case(tmp_path):
     root = make_run_root(tmp_path, (FakeCase("zero0", 0, status="failed", stop_step=1),), steps=2)
-    r = invoke("report", "--run-root", root)
+    r = invoke("report", root)
     assert r.exit_code == 2 and "no completed case (zero0=failed)" in r.output
 
 
@@ -169,7 +169,7 @@ def test_report_with_a_case_interrupted_before_its_first_step(tmp_path):
                          steps=4, device="cuda")
     RunRoot.open(root).write_summary()
     assert read_rows(root / "summary.tsv")[1]["steps_completed"] == ""
-    r = invoke("report", "--run-root", root)
+    r = invoke("report", root)
     assert r.exit_code == 0, r.output
     md = (root / "report.md").read_text()
     assert "| zero2 | interrupted | 0/4 |" in md and "| zero1 | completed | 4/4 |" in md
@@ -181,7 +181,7 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
              "world_size": 2, "tokens_per_s_per_gpu": 12345.0, "step_s_median": 3.3}
     floors = tmp_path / "floors.jsonl"
     floors.write_text(json.dumps(floor) + "\nnot json\n")
-    r = invoke("report", "--run-root", root, "--floors", floors)
+    r = invoke("report", root, "--floors", floors)
     assert r.exit_code == 0, r.output
     assert "floors.jsonl:2: not a `zbench bench floor` record; skipped" in r.output
     md = (root / "report.md").read_text()
@@ -204,7 +204,7 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     # with a floor of the critic's own model, the critic is set against it instead
     floors.write_text(json.dumps(floor) + "\n" + json.dumps({**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0})
                       + "\n")
-    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     md = (root / "report.md").read_text()
     section = md.split("## Training phases")[1].split("## Memory")[0]
     lines = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
@@ -216,20 +216,20 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     # a case whose critic is still set against the LM floor (no value-head floor for its stage) brings the note back
     floors.write_text("".join(json.dumps(f) + "\n" for f in (
         floor, {**floor, "head": "value", "tokens_per_s_per_gpu": 23456.0}, {**floor, "stage": 3})))
-    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "no value-head floor was measured" in (root / "report.md").read_text()
     # a floor run with the case's own model code wins over a later, faster one with the other: these cases ran
     # with `model.fused_ops` on (the default their config.yaml records)
     floors.write_text("".join(json.dumps(f) + "\n" for f in (
         {**floor, "fused_ops": True, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": False})))
-    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     # repeats of one floor: the fastest is the floor, whichever came last
     floors.write_text("".join(json.dumps({**floor, "fused_ops": True, "tokens_per_s_per_gpu": rate}) + "\n"
                               for rate in (11111.0, 13579.0, 12000.0)))
-    assert invoke("report", "--run-root", root, "--floors", floors).exit_code == 0
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "| 13,579 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
-    missing = invoke("report", "--run-root", root, "--floors", tmp_path / "nope.jsonl")
+    missing = invoke("report", root, "--floors", tmp_path / "nope.jsonl", "--force")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 
 
@@ -243,9 +243,9 @@ def test_report_of_a_merged_summary_takes_reruns_from_their_own_run_root(tmp_pat
                                                          "case_dir": "../rerun/zero3"}]
     columns = tuple((first / "summary.tsv").read_text().splitlines()[0].split("\t"))
     write_summary(first / "summary_complete.tsv", rows, columns)
-    r = invoke("report", "--run-root", first, "--summary", first / "summary_complete.tsv")
+    r = invoke("report", first, "--summary", first / "summary_complete.tsv")
     assert r.exit_code == 0, r.output
     md = (first / "report.md").read_text()
     assert "| zero3 | completed | 6/6 |" in md and "| zero1 | completed | 6/6 |" in md
-    own = invoke("report", "--run-root", first)
+    own = invoke("report", first, "--force")
     assert own.exit_code == 0 and "| zero3 | failed | 2/6 |" in (first / "report.md").read_text()

@@ -12,29 +12,44 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
 )
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from zbench.analyze.memory import MODEL_DIMS, estimate_case, largest_layer_params, model_states, param_count
+from zbench.analyze.memory import estimate_case, model_states
+from zbench.analyze.model_size import model_size
 from zbench.config import from_dict
+from zbench.harness.matrix import expand, load_matrix
+
+QWEN3_06B = model_size("qwen3-0.6b")
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_DIMS))
-def test_param_count_matches_transformers(name):
-    d = MODEL_DIMS[name]
-    config = Qwen3Config(vocab_size=d.vocab_size, hidden_size=d.hidden_size, num_hidden_layers=d.num_layers,
-                         num_attention_heads=d.num_heads, num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
-                         intermediate_size=d.intermediate_size, tie_word_embeddings=d.tie_word_embeddings)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    assert param_count(d) == sum(p.numel() for p in model.parameters())
-    assert largest_layer_params(d) == max(sum(p.numel() for p in m.parameters(recurse=False))
-                                          for m in model.modules())
+def test_qwen3_preset_is_counted_as_transformers_builds_it():
+    assert QWEN3_06B.n_params == 596_049_920  # Qwen3-0.6B, tied embeddings counted once
+    assert QWEN3_06B.largest_module_params == 151_936 * 1024  # the embedding, what ZeRO-3 gathers at once
+
+
+def test_any_causal_lm_architecture_is_counted_from_its_own_config(tmp_path):
+    """A Llama and a GPT-2 directory (config.json only, no weights) count as the model built from them does."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, ViTConfig
+
+    for name, config in (("llama", LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=False)),
+                         ("gpt2", GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=128))):
+        config.save_pretrained(tmp_path / name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        size = model_size(str(tmp_path / name))
+        assert size.n_params == sum(p.numel() for p in model.parameters()) and size.architecture == type(model).__name__
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=64).save_pretrained(tmp_path / "vit")
+    with pytest.raises(ValueError, match=r"\(vit\) is not a causal language model"):
+        model_size(str(tmp_path / "vit"))
+    with pytest.raises(ValueError, match=r"has no config\.json; give 'tiny', 'qwen3-0\.6b', 'smollm2-135m' or a local"):
+        model_size(str(tmp_path))
 
 
 @pytest.mark.parametrize("dp", [1, 2, 8])
 def test_against_deepspeed_estimators(dp, capsys):
-    d = MODEL_DIMS["qwen3-0.6b"]
-    n, big = param_count(d), largest_layer_params(d)
+    n, big = QWEN3_06B.n_params, QWEN3_06B.largest_module_params
     # Stage 2: DeepSpeed adds the fp32 gradient partition (4 bytes per parameter per rank).
     _, ds_gpu = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=dp, cpu_offload=False)
     assert model_states(n, big, 2, "none", dp).gpu == pytest.approx(ds_gpu - 4 * n / dp, abs=2)
@@ -54,8 +69,7 @@ def test_against_deepspeed_estimators(dp, capsys):
 
 
 def test_stage_ordering_and_case_extras():
-    d = MODEL_DIMS["qwen3-0.6b"]
-    n, big = param_count(d), largest_layer_params(d)
+    n, big = QWEN3_06B.n_params, QWEN3_06B.largest_module_params
     gpu = [model_states(n, big, s, "none", 4).gpu for s in (0, 1, 2)]
     assert gpu[0] == 16 * n and gpu == sorted(gpu, reverse=True)
     assert model_states(n, big, 1, "none", 4, "fp32").gpu == 4 * n + 4 * n + 2 * n
@@ -77,12 +91,38 @@ def test_stage_ordering_and_case_extras():
     assert grpo.critic is None and not grpo.replica_on_gpu and grpo.cpu_bytes > 2 * n
 
 
-def test_tiny_dims_match_the_built_model() -> None:
-    """The estimator's table for the embedded default must describe the model the engine actually trains."""
+def test_tiny_is_counted_as_the_built_model() -> None:
+    """The estimate for the embedded default describes the model the engine actually trains."""
     from transformers import AutoModelForCausalLM
 
-    from zbench.analyze.memory import MODEL_DIMS, param_count
     from zbench.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"))
-    assert param_count(MODEL_DIMS["tiny"]) == sum(p.numel() for p in model.parameters())
+    assert model_size("tiny").n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_estimate_cli_counts_with_transformers_in_the_engines_precision(tmp_path):
+    """`zbench estimate`: a matrix is estimated as it would train here (this CPU machine: fp32, as the engine
+    trains); a run root as it ran (result.json's device: CUDA, so bf16)."""
+    import subprocess
+    import sys
+
+    from test_analysis_runroot import SIX_CASES, make_run_root
+
+    def zbench(*args: object) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zbench", "estimate", *map(str, args)], capture_output=True,
+                              text=True, timeout=180)
+
+    if not torch.cuda.is_available():
+        res = zbench("six-case")
+        assert res.returncode == 0, res.stderr
+        rows = [line.split() for line in res.stdout.splitlines()[1:7]]
+        assert [r[0] for r in rows] == [c.name for c in expand(load_matrix("six-case"))]
+        assert {r[5] for r in rows} == {"fp32"} and {r[6] for r in rows} == {f"{model_size('tiny').n_params:,}"}
+    root = make_run_root(tmp_path, SIX_CASES[:2], steps=1, device="cuda", model="qwen3-0.6b")
+    res = zbench(root)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines()[1:3]]
+    assert [(r[5], r[6]) for r in rows] == [("bf16", "596,049,920")] * 2
+    bad = zbench(tmp_path / "nope")
+    assert bad.returncode == 2 and "nope does not exist: give a run root" in bad.stderr and "Traceback" not in bad.stderr

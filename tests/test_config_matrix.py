@@ -48,9 +48,8 @@ def test_shipped_matrices_expand() -> None:
 
 
 def test_overrides_apply_to_every_case_last() -> None:
-    cases = expand(load_matrix("six-case"), sets=[("zero.stage", 3), ("rollout.max_new_tokens", 16)])
-    assert {c.config.zero.stage for c in cases} == {3}  # --set beats the matrix's own axis values
-    assert {c.config.rollout.max_new_tokens for c in cases} == {16}
+    cases = expand(load_matrix("six-case"), sets=[("rollout.max_new_tokens", 16), ("actor.lr", 2e-5)])
+    assert {c.config.rollout.max_new_tokens for c in cases} == {16} and {c.config.actor.lr for c in cases} == {2e-5}
     assert cases[0].overrides["rollout.max_new_tokens"] == 16
     assert parse_set("actor.lr=1e-4") == ("actor.lr", "1e-4")  # YAML 1.1 reads this as a string ...
     assert expand(load_matrix("six-case"), sets=[parse_set("actor.lr=1e-4")])[0].config.actor.lr == 1e-4  # ... coerced
@@ -151,3 +150,42 @@ def test_adv_estimator_decides_the_critic() -> None:
         from_dict({"algo": {"adv_estimator": "rloo"}})
     with pytest.raises(ConfigError, match=r"algo.adv_estimator: 'vtrace' is not one of 'auto', 'gae', 'grpo', 'rloo'"):
         from_dict({"algo": {"adv_estimator": "vtrace"}})
+
+
+def test_set_on_a_key_a_case_name_stands_for_is_refused(tmp_path: Path) -> None:
+    """`--set zero.stage=3` on six-case would run six stage-3 cases named zero1_…, zero2_…: refused, naming the
+    axis and the --cases glob that picks the cases already at that value; the same key on the chosen cases only
+    (all already at that value) passes."""
+    res = zbench("show", "six-case", "--set", "zero.stage=3")
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stdout == ""
+    assert "--set zero.stage=3: the matrix's axis 'stage' sets zero.stage (zero1: 1, zero2: 2, zero3: 3)" in res.stderr
+    assert "zero1_no_offload" in res.stderr and "--cases 'zero3_*'" in res.stderr
+    res = zbench("run", "six-case", "--set", "zero.offload=nvme", "--dry-run", "--results-dir", str(tmp_path))
+    assert res.returncode == 2 and "axis 'offload' sets zero.offload" in res.stderr
+    assert "no label of axis 'offload' sets zero.offload='nvme'" in res.stderr and not any(tmp_path.iterdir())
+    res = zbench("show", "six-case", "--set", "zero.stage=3", "--cases", "zero3_*")
+    assert res.returncode == 0, res.stderr
+    assert [line.split("\t")[:3] for line in res.stdout.splitlines()[1:]] == [
+        ["zero3_no_offload", "ppo", "3"], ["zero3_cpu_offload", "ppo", "3"]]
+    # an explicit case's own setting is a name too
+    path = write(tmp_path, "base: {algorithm: grpo}\ncases: [{name: ddp, set: {zero.stage: 0}}]\n")
+    res = zbench("show", path, "--set", "zero.stage=2")
+    assert res.returncode == 2 and "the matrix's case 'ddp' sets zero.stage=0" in res.stderr
+
+
+def test_show_prints_whole_names_when_piped() -> None:
+    """Piped, `show` prints tab-separated lines: no case name cut to fit a terminal width."""
+    res = zbench("show", "twelve-case")
+    assert res.returncode == 0, res.stderr
+    names = [line.split("\t")[0] for line in res.stdout.splitlines()[1:]]
+    assert names == [c.name for c in expand(load_matrix("twelve-case"))] and "grpo_zero3_cpu_offload" in names
+
+
+def test_runner_workers_fill_in_below_a_matrix_that_sets_its_own(tmp_path: Path) -> None:
+    """A runner's num_workers is the ranks of a case that names none; a case named for its ranks keeps them."""
+    matrix = write(tmp_path, "base: {algorithm: ppo}\naxes:\n  ranks: {one: {trainer.world_size: 1}}"
+                             "\ncases: [{name: plain, set: {zero.stage: 2}}]\n")
+    runner = write(tmp_path, "num_workers: 2\n", "two.yaml")
+    res = zbench("run", matrix, "--runner", runner, "--dry-run", "--steps", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["one\ttrainer.world_size=1", "plain\ttrainer.world_size=2 zero.stage=2"]

@@ -156,13 +156,13 @@ def zb(*args: str) -> subprocess.CompletedProcess:
 def test_analysis_of_a_real_run(resumed: tuple[Path, dict, dict], tmp_path: Path) -> None:
     """plot, report, compare and parity on the CPU six-case run, clean and doctored."""
     root = resumed[0]
-    res = zb("plot", "--run-root", str(root))
+    res = zb("plot", str(root))
     assert res.returncode == 0, res.stderr
     assert (root / "zero_six_curves.png").stat().st_size > 10_000
     tsv = (root / "zero_six_curves_metrics.tsv").read_text().splitlines()
     header = tsv[0].split("\t")
     assert len(tsv) == 1 + 6 * STEPS and {"case", "step", "critic/score/mean", "critic/vf_loss"} <= set(header)
-    res = zb("report", "--run-root", str(root))
+    res = zb("report", str(root))
     assert res.returncode == 0, res.stderr
     html = (root / "report.html").read_text()
     assert "zero3_cpu_offload" in html and "data:image/png;base64," in html

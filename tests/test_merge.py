@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,8 +93,8 @@ def test_config_conflict_is_an_error_unless_forced(tmp_path: Path) -> None:
     with pytest.raises(RunRootError, match="case 'a' has different configs") as err:
         merge([first.path, second.path])
     assert str(first.path) in str(err.value) and str(second.path) in str(err.value)
-    assert "--force" in str(err.value) and not (first.path / "summary_complete.tsv").exists()
-    forced = merge([first.path, second.path], force=True)
+    assert "--mixed-configs" in str(err.value) and not (first.path / "summary_complete.tsv").exists()
+    forced = merge([first.path, second.path], mixed_configs=True)
     assert len(forced.warnings) == 1 and forced.rows[0]["status"] == "completed"
 
 
@@ -101,3 +103,31 @@ def test_merge_needs_run_roots(tmp_path: Path) -> None:
         merge([])
     with pytest.raises(RunRootError, match="is not a run root"):
         merge([tmp_path])
+
+
+def test_merge_never_replaces_an_earlier_merge_unasked(tmp_path: Path) -> None:
+    """A one-root merge over summary_complete.tsv written from two roots: refused, naming the file, what it holds
+    and both ways out; --out writes elsewhere, --force replaces it."""
+    first = make_root(tmp_path, ["a", "b"])
+    put(first, "a", "completed", "2026-01-01T00:00:00Z")
+    put(first, "b", "failed", "2026-01-01T00:01:00Z", steps=1)
+    rerun = make_root(tmp_path, ["b"])
+    put(rerun, "b", "completed", "2026-01-02T00:00:00Z")
+
+    def zbench(*args: object) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zbench", "merge", *map(str, args)], capture_output=True,
+                              text=True, timeout=120)
+
+    assert zbench(first.path, rerun.path).returncode == 0
+    merged = first.path / "summary_complete.tsv"
+    before = merged.read_text()
+    res = zbench(first.path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and merged.read_text() == before
+    assert f"{merged} already exists (a summary of 2 case(s) from {first.path.name}, {rerun.path.name})" in res.stderr
+    assert "--force" in res.stderr and "--out FILE" in res.stderr
+    elsewhere = tmp_path / "one-root.tsv"
+    assert zbench(first.path, "--out", elsewhere).returncode == 0 and merged.read_text() == before
+    assert zbench(first.path, "--out", elsewhere).returncode == 2  # an explicit --out is not replaced either
+    res = zbench(first.path, "--force")
+    assert res.returncode == 0, res.stderr
+    assert [r["status"] for r in summary.read_summary(merged)] == ["completed", "failed"]

@@ -1,7 +1,7 @@
 """zbench command line: parse, call one function, print. Every command's logic lives in its module.
 
     zbench run six-case --seed 7777 --steps 60
-    zbench plot --run-root results/six-case_60_seed7777_20261121_120000
+    zbench plot results/six-case_60_seed7777_20261121_120000
     zbench merge results/<first-run> results/<rerun-of-failed-cases>
 """
 
@@ -19,7 +19,7 @@ from rich.table import Table
 from zbench import __version__
 from zbench.config import ConfigError, dump_yaml, parse_set
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Which DeepSpeed ZeRO configuration for RL post-training, and what each costs.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training prompts (verl's GSM8K parquet schema).")
 app.add_typer(data_app, name="data")
@@ -28,8 +28,13 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay one line: greppable, copyable
 
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key for every case: key=value "
-                                                                 "(e.g. zero.stage=3, model.path=/models/qwen3).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help=(
+    "Override a config key for every case: key=value (e.g. rollout.max_new_tokens=256, model.path=/models/qwen3); "
+    "a key a case's name stands for (a matrix axis, e.g. zero.stage) is refused: choose cases with --cases."))]
+
+
+CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated "
+                                                   "(e.g. 'zero3_*,zero2_cpu_offload').")]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -42,10 +47,22 @@ def _sets(items: list[str] | None) -> tuple[tuple[str, object], ...]:
     return tuple(parse_set(i) for i in items or [])
 
 
-@app.command()
-def version() -> None:
-    """Print zbench's version."""
-    print(__version__)
+def _globs(cases: str | None) -> tuple[str, ...]:
+    return tuple(g.strip() for g in (cases or "").split(",") if g.strip())
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"zbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", help="Print zbench's version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
+) -> None:
+    """Which DeepSpeed ZeRO configuration for RL post-training, and what each costs."""
 
 
 @app.command()
@@ -53,11 +70,11 @@ def matrices() -> None:
     """List the shipped matrices: name, number of cases, description."""
     from zbench.harness.matrix import expand, load_matrix, shipped_matrices
 
-    table = Table("matrix", "cases", "description")
+    rows = []
     for name in shipped_matrices():
         m = load_matrix(name)
-        table.add_row(name, str(len(expand(m))), m.description)
-    console.print(table)
+        rows.append([name, str(len(expand(m))), m.description])
+    _print_table(["matrix", "cases", "description"], rows)
 
 
 @app.command()
@@ -66,28 +83,41 @@ def show(
     set_: SetOpt = None,
     seed: Annotated[int | None, typer.Option(help="Seed for every case.")] = None,
     steps: Annotated[int | None, typer.Option(help="Steps for every case.")] = None,
+    cases: CasesOpt = None,
     full: Annotated[bool, typer.Option(help="Print each case's whole resolved config.yaml.")] = False,
 ) -> None:
-    """Show the expanded cases of a matrix with their effective knobs."""
+    """Show the expanded cases of a matrix with their effective knobs (a table on a terminal, TSV when piped)."""
     from zbench.config import effective_offload
     from zbench.harness.matrix import expand, load_matrix
 
     try:
-        cases = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_))
+        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_), case_globs=_globs(cases))
     except ConfigError as err:
         fail(str(err))
     if full:
-        for c in cases:
+        for c in chosen:
             print(f"# --- {c.name}\n{dump_yaml(c.config)}")
         return
-    table = Table("case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
-                  "overrides")
-    for c in cases:
+    rows = []
+    for c in chosen:
         cfg = c.config
         eff = effective_offload(cfg.zero.stage, cfg.zero.offload).label
-        table.add_row(c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
-                      str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
-                      ", ".join(f"{k}={v}" for k, v in c.overrides.items()))
+        rows.append([c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
+                     str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
+                     ", ".join(f"{k}={v}" for k, v in c.overrides.items())])
+    _print_table(["case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
+                  "overrides"], rows)
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A table on a terminal; tab-separated lines, nothing cut short, when stdout is a pipe or a file."""
+    if not sys.stdout.isatty():
+        for row in [header, *rows]:
+            print("\t".join(row))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -113,14 +143,16 @@ def env(ray_address: Annotated[str | None, typer.Option(help="Also report this R
     report = environment_report(ray_address)
     if as_json:
         print(json.dumps(report, indent=2, default=str))
-        return
-    for key, value in report.items():
-        if isinstance(value, dict):
-            console.print(f"[bold]{key}[/bold]")
-            for k, v in value.items():
-                console.print(f"  {k}: {v}", highlight=False)
-        else:
-            console.print(f"[bold]{key}[/bold]: {value}", highlight=False)
+    else:
+        for key, value in report.items():
+            if isinstance(value, dict):
+                console.print(f"[bold]{key}[/bold]")
+                for k, v in value.items():
+                    console.print(f"  {k}: {v}", highlight=False)
+            else:
+                console.print(f"[bold]{key}[/bold]: {value}", highlight=False)
+    if "error" in report.get("ray", {}):
+        fail(f"--ray-address {ray_address}: {report['ray']['error']}", code=1)
 
 
 @app.command()
@@ -129,7 +161,7 @@ def run(
     seed: Annotated[int, typer.Option(help="Seed of every case (a matrix axis may set its own).")] = 7777,
     steps: Annotated[int, typer.Option(help="Training steps per case.")] = 60,
     set_: SetOpt = None,
-    cases: Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated.")] = None,
+    cases: CasesOpt = None,
     tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default <matrix>_<steps>_seed<seed>).")] = None,
     results_dir: Annotated[str, typer.Option(help="Where run roots are created.")] = "results",
     runner: Annotated[str, typer.Option(help="Runner profile: local, ray, or a YAML file.")] = "local",
@@ -146,7 +178,7 @@ def run(
 
     try:
         req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
-                         case_globs=tuple(g.strip() for g in (cases or "").split(",") if g.strip()), tag=tag,
+                         case_globs=_globs(cases), tag=tag,
                          results_dir=results_dir, runner=runner, case_timeout_s=case_timeout,
                          step_timeout_s=step_timeout, retries=retries)
         if dry_run:
@@ -192,7 +224,9 @@ def resume(
 def merge(
     run_roots: Annotated[list[str], typer.Argument(help="Run roots, first the original run, then reruns.")],
     out: Annotated[str | None, typer.Option(help="Output TSV (default <first run root>/summary_complete.tsv).")] = None,
-    force: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace the output file if it exists.")] = False,
+    mixed_configs: Annotated[bool, typer.Option(help="Merge cases of one name even if their configs differ.")
+                             ] = False,
 ) -> None:
     """Combine the summaries of several run roots; the latest completed attempt of each case wins (a case never
     completed: the attempt that got furthest)."""
@@ -200,7 +234,7 @@ def merge(
     from zbench.runroot.merge import merge as merge_roots
 
     try:
-        result = merge_roots(run_roots, out, force)
+        result = merge_roots(run_roots, out, mixed_configs=mixed_configs, overwrite=force)
     except (RunRootError, ValueError) as err:
         fail(str(err))
     for w in result.warnings:
@@ -227,8 +261,8 @@ def data_gsm8k(
 @data_app.command("synthetic")
 def data_synthetic(
     out: Annotated[Path, typer.Option(help="Folder for train.parquet / test.parquet.")] = Path("data/synthetic"),
-    n_train: Annotated[int, typer.Option(help="Training problems.")] = 4096,
-    n_test: Annotated[int, typer.Option(help="Test problems.")] = 512,
+    n_train: Annotated[int, typer.Option(min=1, help="Training problems.")] = 4096,
+    n_test: Annotated[int, typer.Option(min=1, help="Test problems.")] = 512,
     seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
 ) -> None:
     """Generate GSM8K-style arithmetic problems in the same schema."""
@@ -258,12 +292,12 @@ def bench_floor(
     stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several [2].")] = None,
     offload: Annotated[list[str] | None, typer.Option(
         help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload) [none].")] = None,
-    seqs: Annotated[int | None, typer.Option(help="Sequences per rank per optimizer step [32].")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [612].")] = None,
-    micro: Annotated[int | None, typer.Option(help="Micro-batch per rank [8].")] = None,
-    world_size: Annotated[int | None, typer.Option(help="Ranks (GPUs) [1].")] = None,
-    steps: Annotated[int, typer.Option(help="Timed optimizer steps.")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed optimizer steps first.")] = 2,
+    seqs: Annotated[int | None, typer.Option(min=1, help="Sequences per rank per optimizer step [32].")] = None,
+    seq_len: Annotated[int | None, typer.Option(min=1, help="Tokens per sequence [612].")] = None,
+    micro: Annotated[int | None, typer.Option(min=1, help="Micro-batch per rank [8].")] = None,
+    world_size: Annotated[int | None, typer.Option(min=1, help="Ranks (GPUs) [1].")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Timed optimizer steps.")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed optimizer steps first.")] = 2,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Activation checkpointing.")] = False,
     fused_ops: Annotated[bool, typer.Option(
         help="The engine's lean RMSNorm and SwiGLU, as `model.fused_ops` (the engine's default) gives them.")] = True,
@@ -293,8 +327,9 @@ def bench_floor(
                 err_console.print(f"warning: {note}", markup=False, highlight=False)
             out = like / "floors.jsonl"
         else:
-            specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=seqs or 32, seq_len=seq_len or 612,
-                               micro=micro or 8, world_size=world_size or 1, steps=steps, warmup=warmup,
+            specs = [FloorSpec(model=model or "tiny", stage=st, offload=off, seqs=_or(seqs, 32),
+                               seq_len=_or(seq_len, 612), micro=_or(micro, 8), world_size=_or(world_size, 1),
+                               steps=steps, warmup=warmup,
                                gradient_checkpointing=gradient_checkpointing, fused_ops=fused_ops, head=hd)
                      for hd in head or ["lm"] for off in offload or ["none"] for st in stage or [2]]
         groups: dict[tuple[str, int], list[FloorSpec]] = {}
@@ -311,6 +346,10 @@ def bench_floor(
         fail(str(err))
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def _emit(results: list[dict], out: Path | None) -> None:
     """Print floor records, and append them to `out` when given."""
     for result in results:
@@ -323,9 +362,9 @@ def _emit(results: list[dict], out: Path | None) -> None:
 @bench_app.command("gen")
 def bench_gen(
     model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
-    prompts: Annotated[int, typer.Option(help="Prompts in the batch.")] = 64,
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens.")] = 100,
-    new_tokens: Annotated[int, typer.Option(help="Generated tokens per prompt (forced).")] = 512,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 64,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens.")] = 100,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens per prompt (forced).")] = 512,
     decode: Annotated[str, typer.Option(
         help="generate (dynamic KV cache), static (generate, static cache, compiled), graph (zbench's CUDA-graph "
              "decode loop).")] = "generate",
@@ -335,7 +374,10 @@ def bench_gen(
 
     if decode not in DECODES:
         fail(f"--decode: {decode!r} is not one of {', '.join(DECODES)}")
-    print(json.dumps(generation(model, prompts, prompt_len, new_tokens, decode)))
+    try:
+        print(json.dumps(generation(model, prompts, prompt_len, new_tokens, decode)))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
 
 
 def _register_analysis() -> None:
@@ -350,8 +392,16 @@ _register_analysis()
 
 
 def main() -> None:
-    """Console-script entry."""
-    app()
+    """Console-script entry; a file the system refuses (a folder where a file should be, no permission, a full
+    disk) ends as a one-line error naming it, not a traceback."""
+    try:
+        app()
+    except OSError as err:
+        what = {FileExistsError: "is a file where a folder is needed", NotADirectoryError: "is a file where a folder "
+                "is needed", IsADirectoryError: "is a folder where a file is needed"}.get(type(err), err.strerror)
+        where = f"{err.filename}: " if err.filename else ""
+        err_console.print(f"[red]error:[/red] {where}{what or err}", highlight=False)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

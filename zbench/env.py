@@ -143,7 +143,10 @@ def environment_report(ray_address: str | None = None) -> dict[str, Any]:
     from zbench.models import PACKAGED, describe_model
 
     report = collect_environment(probe_torch=True)
-    report["deepspeed_ops"] = deepspeed_op_compatibility()
+    # DeepSpeed's logger writes to the stdout of its import ("Setting accelerator to CPU ..."): send it to stderr,
+    # so that stdout holds only the report (`zbench env --json | jq`)
+    with contextlib.redirect_stdout(sys.stderr):
+        report["deepspeed_ops"] = deepspeed_op_compatibility()
     report["packaged_models"] = {name: describe_model(name) for name in PACKAGED}
     if ray_address:
         report["ray"] = ray_cluster_status(ray_address)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -86,20 +87,48 @@ def summary_of(source: Path) -> pd.DataFrame:
     return read_summary(source)
 
 
+def matrix_of(source: Path) -> str | None:
+    """The matrix a run root (or a summary TSV inside one) ran, from its manifest; None for a TSV on its own."""
+    source = Path(source)
+    manifest = (source if source.is_dir() else source.parent) / "manifest.json"
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return str(data["matrix"]) if isinstance(data, dict) and data.get("matrix") else None
+
+
+def incomparable(base: pd.DataFrame, new: pd.DataFrame, base_matrix: str | None,
+                 new_matrix: str | None) -> list[str]:
+    """Why two runs measure different things (other matrices, a case of one name under another algorithm)."""
+    reasons = []
+    if base_matrix and new_matrix and base_matrix != new_matrix:
+        reasons.append(f"BASE ran matrix {base_matrix!r}, NEW ran {new_matrix!r}")
+    algos = dict(zip(new["case"], new["algorithm"], strict=True))
+    for case, algo in zip(base["case"], base["algorithm"], strict=True):
+        if case in algos and str(algos[case]).lower() != str(algo).lower():
+            reasons.append(f"{case}: {algo} in BASE, {algos[case]} in NEW")
+    return reasons
+
+
 @dataclass(slots=True)
 class Comparison:
-    """Deltas (one row per case and figure) and the failures of the gate."""
+    """Deltas (one row per case and figure), the failures of the gate, and the gated figures neither run has."""
 
     deltas: pd.DataFrame
     failures: list[str]
+    thresholds: list[Threshold]
+    unmeasured: list[str]
 
 
 def compare(base: pd.DataFrame, new: pd.DataFrame, thresholds: list[Threshold]) -> Comparison:
-    """Compare two summaries case by case; a case missing or not completed in NEW fails."""
+    """Compare two summaries case by case; a case missing or not completed in NEW fails, and so does a gated
+    figure that one run recorded and the other did not."""
     if base.empty:
         raise RunRootError("BASE summary has no case rows")
     new_by_case = {r["case"]: r for r in new.to_dict("records")}
     rows, failures = [], []
+    unmeasured: dict[str, None] = {}
     for old in base.to_dict("records"):
         case = old["case"]
         cur = new_by_case.get(case)
@@ -118,6 +147,53 @@ def compare(base: pd.DataFrame, new: pd.DataFrame, thresholds: list[Threshold]) 
             continue
         for t in thresholds:
             o, n = float(old[t.column]), float(cur[t.column])
-            if t.crossed(o, n):
+            if math.isnan(o) and math.isnan(n):
+                unmeasured[t.column] = None
+            elif math.isnan(o) or math.isnan(n):
+                side, other, value = ("BASE", "NEW", n) if math.isnan(o) else ("NEW", "BASE", o)
+                failures.append(f"{case}: {t.column} not recorded in {side} ({other} has {value:.4g}); {t} "
+                                "cannot be checked")
+            elif t.crossed(o, n):
                 failures.append(f"{case}: {t.column} {o:.4g} -> {n:.4g} crosses {t}")
-    return Comparison(pd.DataFrame(rows, columns=["case", "metric", "old", "new", "delta", "delta_pct"]), failures)
+    deltas = pd.DataFrame(rows, columns=["case", "metric", "old", "new", "delta", "delta_pct"])
+    return Comparison(deltas, failures, thresholds, list(unmeasured))
+
+
+FORMATS = ("text", "md", "json")
+
+
+def render(result: Comparison, fmt: str) -> str:
+    """The comparison as a plain table (text), a Markdown table and verdict for a PR (md), or one JSON object."""
+    if fmt == "json":
+        records = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                   for r in result.deltas.to_dict("records")]
+        return json.dumps({"ok": not result.failures, "failures": result.failures,
+                           "thresholds": [str(t) for t in result.thresholds],
+                           "not_recorded_by_either_run": result.unmeasured, "deltas": records}, indent=2)
+    gates = "thresholds: " + ", ".join(map(str, result.thresholds))
+    blind = (f"not recorded by either run, so not gated: {', '.join(result.unmeasured)}" if result.unmeasured
+             else "")
+    if fmt == "md":
+        def cell(v: object) -> str:
+            return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+        cols = list(result.deltas.columns)
+        table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        table += ["| " + " | ".join(cell(v) for v in row) + " |" for row in result.deltas.itertuples(index=False)]
+        verdict = (["**FAIL**", "", *(f"- {f}" for f in result.failures)] if result.failures
+                   else ["**OK**: no threshold crossed"])
+        return "\n".join([*table, "", gates, *([blind] if blind else []), "", *verdict])
+    text = result.deltas.to_string(index=False, float_format=lambda x: f"{x:.4g}") if not result.deltas.empty else ""
+    return "\n".join(filter(None, [text, gates, blind]))
+
+
+def compare_sources(base: Path, new: Path, fail_on: str | None = None, force: bool = False) -> Comparison:
+    """Compare two run roots (or summary TSVs) under `fail_on` (default: the compare spec's thresholds); runs of
+    different matrices or algorithms are refused unless `force`."""
+    thresholds = parse_fail_on(fail_on) if fail_on else default_thresholds()
+    old, cur = summary_of(base), summary_of(new)
+    reasons = incomparable(old, cur, matrix_of(base), matrix_of(new))
+    if reasons and not force:
+        raise ValueError(f"{base} and {new} measure different things ({'; '.join(reasons)}); compare runs of one "
+                         "matrix, or pass --force to compare them anyway")
+    return compare(old, cur, thresholds)

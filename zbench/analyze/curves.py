@@ -26,6 +26,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
+from zbench.runroot.memory_figures import HOST, LEADING_ORDER
 from zbench.runroot.read import CaseRun, RunRoot, RunRootError, load_run_root, load_spec, read_metrics
 
 # Okabe & Ito's colour-blind-safe palette without its yellow, too pale for a line on white: no case is faint.
@@ -112,12 +113,22 @@ def _resolve_panels(spec: dict[str, Any], series: list[Series]) -> list[dict[str
     (or its older single `cpu_fallback`) that some case has."""
     panels = []
     for panel in spec["panels"]:
+        if panel.get("memory") == "leading":
+            panel = memory_panel()
         chain = panel.get("fallbacks") or ([panel["cpu_fallback"]] if panel.get("cpu_fallback") else [])
         if chain and not any(_has(s, panel) for s in series):
             candidates = [{**panel, **f} for f in chain]
             panel = next((c for c in candidates if any(_has(s, c) for s in series)), candidates[-1])
         panels.append(panel)
     return panels
+
+
+def memory_panel() -> dict[str, Any]:
+    """The panel a spec asks for with `memory: leading`: the leading memory figure (zbench.runroot.memory_figures), then
+    the figures that lead in its place in runs that lack it, each titled as what it is."""
+    chain = [{"title": f.label + ("" if f == HOST else " (max over ranks)"), "metric": f.metric, "ylabel": "GB"}
+             for f in LEADING_ORDER]
+    return {**chain[0], "fallbacks": chain[1:]}
 
 
 def collect_series(runs: list[RunRoot], max_step: int | None = None) -> tuple[list[Series], list[str]]:
@@ -269,15 +280,24 @@ def plot_curves(run_roots: list[Path], summary: Path | None = None, output: Path
     if not run_roots:
         raise RunRootError("no run root given")
     if summary is not None and len(run_roots) > 1:
-        raise RunRootError("--summary replaces one run root's summary.tsv: give a single --run-root with it")
+        raise RunRootError("--summary replaces one run root's summary.tsv: give a single run root with it")
     runs = [load_run_root(r, summary) for r in run_roots]
     plot_spec = load_spec(spec)
+    panels_given = plot_spec.get("panels")
+    if not isinstance(panels_given, list) or not all(
+            isinstance(p, dict) and (p.get("memory") == "leading" or {"title", "metric"} <= set(p))
+            for p in panels_given):
+        raise RunRootError(f"plot spec {spec}: panels must be a list of {{title: ..., metric: ...}} mappings (or "
+                           f"{{memory: leading}}), got {panels_given!r}")
     series, warnings = collect_series(runs, max_step)
     if not series:
         raise RunRootError(f"nothing to plot: no case of {', '.join(map(str, run_roots))} has recorded a step")
     overlay = len({s.case.root_name for s in series}) > 1
     png, tsv = default_names(runs[0], overlay)
-    png, tsv = Path(output or png), Path(metrics_tsv or tsv)
+    if output is not None:  # the TSV goes beside the PNG asked for, named after it
+        png = Path(output)
+        tsv = png.with_name(f"{png.stem}_metrics.tsv")
+    tsv = Path(metrics_tsv or tsv)
     root_names = list(dict.fromkeys(s.case.root_name for s in series))
     title = f"{runs[0].matrix} — " + (" vs " if len(" vs ".join(root_names)) < 110 else "\nvs ").join(root_names)
     panels = _resolve_panels(plot_spec, series)

@@ -31,85 +31,17 @@ Where this differs from DeepSpeed's own estimators
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from zbench.analyze.model_size import model_size
 from zbench.config import RunConfig, effective_offload
 
 GIB = 2**30
 
 
-@dataclass(frozen=True, slots=True)
-class ModelDims:
-    """The dimensions of a Qwen3-architecture decoder, enough to count its parameters."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool = True
-
-
-MODEL_DIMS: dict[str, ModelDims] = {
-    "tiny": ModelDims(vocab_size=502, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, intermediate_size=192, tie_word_embeddings=True),
-    "qwen3-0.6b": ModelDims(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
-                            num_kv_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
-}
-
 # Bytes per parameter: (params, grads, optimizer states).
 BYTES_PER_PARAM: dict[str, tuple[int, int, int]] = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
-
-
-def resolve_model_dims(model: str, base_dir: Path | None = None) -> ModelDims:
-    """Dims of a named model ("tiny", "qwen3-0.6b") or of a local Hugging Face directory's config.json."""
-    if model in MODEL_DIMS:
-        return MODEL_DIMS[model]
-    path = Path(model)
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    config = path / "config.json"
-    if not config.is_file():
-        raise ValueError(f"model.path {model!r}: not one of {sorted(MODEL_DIMS)} and no config.json in {path}")
-    c = json.loads(config.read_text())
-    heads = int(c["num_attention_heads"])
-    return ModelDims(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        num_layers=int(c["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        intermediate_size=int(c["intermediate_size"]),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-    )
-
-
-def _layer_modules(d: ModelDims) -> list[int]:
-    """Parameter counts of the modules of one decoder layer (Qwen3: no biases, q/k RMSNorm per head)."""
-    h, q, kv = d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    return [
-        h * q, h * kv, h * kv, q * h,  # q, k, v, o projections
-        d.head_dim, d.head_dim,  # q_norm, k_norm
-        h * d.intermediate_size, h * d.intermediate_size, d.intermediate_size * h,  # gate, up, down
-        h, h,  # input and post-attention RMSNorm
-    ]
-
-
-def param_count(d: ModelDims) -> int:
-    """Number of parameters, tied embeddings counted once (as ``sum(p.numel())`` counts them)."""
-    embed = d.vocab_size * d.hidden_size
-    lm_head = 0 if d.tie_word_embeddings else embed
-    return embed + d.num_layers * sum(_layer_modules(d)) + d.hidden_size + lm_head
-
-
-def largest_layer_params(d: ModelDims) -> int:
-    """Parameters of the largest single module: what ZeRO-3 gathers at once (DeepSpeed's definition)."""
-    return max(d.vocab_size * d.hidden_size, *_layer_modules(d))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,14 +112,15 @@ class CaseEstimate:
         return self.actor.nvme + (self.critic.nvme if self.critic else 0)
 
 
-def estimate_case(cfg: RunConfig, model_dims: ModelDims | None = None, base_dir: Path | None = None,
-                  name: str = "", on_cuda: bool | None = None) -> CaseEstimate:
-    """Predict one case's per-rank memory from its config, at the precision the engine trains it in: on CUDA or
-    not as ``on_cuda`` says (a run that already ran), else as it would run on this machine."""
-    dims = model_dims or resolve_model_dims(cfg.model.path, base_dir)
+def estimate_case(cfg: RunConfig, base_dir: Path | None = None, name: str = "",
+                  on_cuda: bool | None = None) -> CaseEstimate:
+    """Predict one case's per-rank memory from its config: parameters counted by transformers from the model's own
+    config, in the precision the engine trains it in: on CUDA or not as ``on_cuda`` says (a run that already ran),
+    else as it would run on this machine."""
+    size = model_size(cfg.model.path, base_dir)
     stage, offload, dp = cfg.zero.stage, cfg.zero.offload, cfg.trainer.world_size
     precision = cfg.model.precision(cfg.trainer.uses_cuda() if on_cuda is None else on_cuda)
-    n, largest = param_count(dims), largest_layer_params(dims)
+    n, largest = size.n_params, size.largest_module_params
     actor = model_states(n, largest, stage, offload, dp, precision)
     critic = model_states(n, largest, stage, offload, dp, precision) if cfg.needs_critic else None
     copy = n * BYTES_PER_PARAM[precision][0]
@@ -197,3 +130,22 @@ def estimate_case(cfg: RunConfig, model_dims: ModelDims | None = None, base_dir:
         offload_effective=eff, world_size=dp, precision=precision, n_params=n, actor=actor, critic=critic,
         reference_bytes=copy, replica_bytes=copy, replica_on_gpu=eff == "none",
     )
+
+
+def estimate_target(target: str | Path) -> list[CaseEstimate]:
+    """Estimates of every case of a run root (a directory with a manifest: the configs it ran, on the device it
+    ran on) or of a matrix (a shipped name or a YAML file: its cases as they would run on this machine)."""
+    from zbench.runroot.read import load_run_root, read_case_config
+
+    path = Path(target)
+    if not path.exists() and ("/" in str(target) or path.suffix in (".yaml", ".yml")):
+        raise ValueError(f"{target} does not exist: give a run root (a folder with manifest.json), a shipped "
+                         "matrix name (zbench matrices) or a matrix YAML file")
+    if path.is_dir():
+        run = load_run_root(path)
+        on_cuda = run.device == "cuda"
+        return [estimate_case(read_case_config(c.dir), base_dir=c.dir, name=c.name, on_cuda=on_cuda)
+                for c in run.cases]
+    from zbench.harness.matrix import expand, load_matrix
+
+    return [estimate_case(c.config, name=c.name) for c in expand(load_matrix(str(target)))]

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
+from zbench.runroot import casedir
 from zbench.runroot.read import (
     CaseRun,
     RunRootError,
@@ -27,6 +30,10 @@ class Mismatch:
     expected: float
 
     def __str__(self) -> str:
+        if math.isnan(self.value):
+            return f"{self.case}: {self.metric} not recorded, but {self.reference} has {self.expected!r}"
+        if math.isnan(self.expected):
+            return f"{self.case}: {self.metric} = {self.value!r}, but {self.reference} did not record it"
         return (f"{self.case}: {self.metric} = {self.value!r}, but {self.reference} has {self.expected!r} "
                 f"(diff {abs(self.value - self.expected):.3g})")
 
@@ -41,7 +48,8 @@ class ParityResult:
     groups: dict[str, list[str]]
     compared: int
     mismatches: list[Mismatch]
-    skipped: list[str]
+    skipped: list[str]  # cases that did not complete and never reached the step: nothing asked of them
+    unchecked: list[str]  # what the gate was asked to check and could not: each one fails it
 
 
 def is_math_metric(name: str, spec: dict[str, Any]) -> bool:
@@ -60,26 +68,45 @@ def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: flo
     rtol = float(tol["rtol"]) if rtol is None else rtol
     atol = float(tol["atol"]) if atol is None else atol
     groups: dict[str, list[tuple[CaseRun, dict[str, float]]]] = {}
-    skipped = []
+    skipped: list[str] = []
+    unchecked: list[str] = []
     for case in run.cases:
         m = read_metrics(case.dir)
         if step not in m.index:
-            skipped.append(f"{case.name}: no step {step} ({case.status})")
+            if case.status == "completed":
+                unchecked.append(f"{case.name}: completed, but {_why_no_step(case.dir, m, step)}")
+            else:
+                skipped.append(f"{case.name}: no step {step} ({case.status})")
             continue
         row = {k: float(v) for k, v in m.loc[step].items() if is_math_metric(str(k), pspec)}
         groups.setdefault(case.algorithm, []).append((case, row))
-    if not groups:
+    if not groups and not unchecked:
         raise RunRootError(f"{root}: no case recorded step {step}")
     mismatches, compared = [], 0
-    for members in groups.values():
+    for algo, members in groups.items():
         ref_case, ref = members[0]
+        if len(members) == 1:
+            skipped.append(f"{ref_case.name}: the only {algo} case with step {step}; nothing to compare it with")
         for case, row in members[1:]:
-            for metric, expected in ref.items():
-                value = row.get(metric, math.nan)
+            for metric in dict.fromkeys([*ref, *row]):
+                expected, value = ref.get(metric, math.nan), row.get(metric, math.nan)
                 if math.isnan(expected) and math.isnan(value):
                     continue
                 compared += 1
                 if not math.isclose(value, expected, rel_tol=rtol, abs_tol=atol):
                     mismatches.append(Mismatch(case.name, ref_case.name, metric, value, expected))
+    if not compared and not unchecked:
+        unchecked.append(f"no two cases of one algorithm share a value of step {step} to compare")
     names = {algo: [c.name for c, _ in members] for algo, members in groups.items()}
-    return ParityResult(step, rtol, atol, names, compared, mismatches, skipped)
+    return ParityResult(step, rtol, atol, names, compared, mismatches, skipped, unchecked)
+
+
+def _why_no_step(case_dir: Path, m: pd.DataFrame, step: int) -> str:
+    """Why a completed case has no readable record of `step`: no file, a torn last line, or steps that stop short."""
+    path = Path(case_dir) / casedir.METRICS
+    if not path.is_file():
+        return f"its {path} is missing"
+    if casedir.read_metrics(case_dir).torn_tail and (m.empty or m.index.max() < step):
+        return f"step {step} is not readable in {path}: its last line is torn (a write cut short)"
+    have = f"steps {m.index.min()}..{m.index.max()}" if not m.empty else "no readable step"
+    return f"{path} has no step {step} ({have})"

@@ -16,9 +16,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from zbench.analyze.curves import collect_series, default_names, render_curves
+from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.memory import GIB, estimate_case
-from zbench.runroot.casedir import atomic_write_text
+from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
+from zbench.runroot.memory_figures import ALLOCATED, DEVICE, HOST, RESERVED, MemoryFigure, leading
 from zbench.runroot.read import (
     RunRoot,
     RunRootError,
@@ -36,7 +37,11 @@ class Report:
 
     markdown: Path
     html: Path
+    written: list[Path]
     warnings: list[str]
+
+
+REPORT_FILES = ("report.md", "report.html", "curves.png", "phase_times.png")
 
 
 def environment_lines(manifest: dict) -> list[str]:
@@ -73,22 +78,26 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
     base = next((c for c in run.cases if c.name == baseline), None) if baseline else done[0]
     if base is None:
         raise ValueError(f"report baseline {baseline!r} is not a case of {run.path}")
-    gpu = not all(math.isnan(c.value("max_memory_reserved_gb")) for c in run.cases)
-    mem_col = "max_memory_reserved_gb" if gpu else "cpu_memory_used_gb"
+    lead = leading(lambda f: recorded(run, f))
     rows = []
     for c in run.cases:
-        mem, base_mem = c.value(mem_col), base.value(mem_col)
+        mem, base_mem = c.value(lead.column), base.value(lead.column)
         rows.append({
             "case": c.name, "status": c.status,
             "steps": f"{_count(c.value('steps_completed'))}/{_count(c.value('steps_target'))}",
             "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
-            f"peak {'GPU' if gpu else 'CPU'} memory (GB)": mem,
+            f"peak {lead.heading}": mem,
             "final score": c.value("score_last"), "best score": c.value("score_max"),
             "memory saved (%)": (1 - mem / base_mem) * 100 if base_mem else math.nan,
             "speed ×": c.value("throughput_mean") / base.value("throughput_mean"),
             "score Δ": c.value("score_last") - base.value("score_last"),
         })
     return pd.DataFrame(rows), base.name
+
+
+def recorded(run: RunRoot, figure: MemoryFigure) -> bool:
+    """Whether some case of the run has a value of a memory figure in its summary row."""
+    return any(not math.isnan(c.value(figure.column)) for c in run.cases)
 
 
 def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
@@ -166,7 +175,9 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
 
 
 def memory_table(run: RunRoot) -> pd.DataFrame:
-    """Predicted per-rank memory (ZeRO formulas) beside measured peaks."""
+    """Predicted per-rank memory (ZeRO formulas) beside measured peaks, the leading figure first."""
+    lead = leading(lambda f: recorded(run, f))
+    measured = [lead, *(f for f in (DEVICE, RESERVED, ALLOCATED, HOST) if f != lead and recorded(run, f))]
     rows = []
     for c in run.cases:
         try:
@@ -175,10 +186,9 @@ def memory_table(run: RunRoot) -> pd.DataFrame:
             rows.append({"case": c.name, "note": str(e)})
             continue
         rows.append({"case": c.name, "stage": est.stage, "offload": est.offload_effective,
-                     "predicted GPU (GB)": est.gpu_bytes / GIB, "predicted CPU (GB)": est.cpu_bytes / GIB,
-                     "measured GPU reserved (GB)": c.value("max_memory_reserved_gb"),
-                     "measured GPU in use, device-wide (GB)": c.value("device_memory_used_gb"),
-                     "measured CPU used (GB)": c.value("cpu_memory_used_gb")})
+                     "predicted on the training device (GB)": est.gpu_bytes / GIB,
+                     "predicted offloaded to CPU (GB)": est.cpu_bytes / GIB,
+                     **{f"measured {f.heading}": c.value(f.column) for f in measured}})
     return pd.DataFrame(rows)
 
 
@@ -224,17 +234,25 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px;color
 
 
 def write_report(root: Path, spec: str | Path = "report", floors: Path | None = None,
-                 summary: Path | None = None) -> Report:
-    """Write report.md and report.html (with curves and phase figures) into the run root; training phases are
-    set against the floors in `floors` (default: the run root's floors.jsonl, if any). `summary` (e.g. the
-    `zbench merge` output) replaces the run root's own summary, so reruns in other run roots are reported too."""
+                 summary: Path | None = None, out_dir: Path | None = None, overwrite: bool = False) -> Report:
+    """Write report.md and report.html, and the curves.png and phase_times.png they show, into `out_dir`
+    (default: the run root); nothing else. Training phases are set against the floors in `floors` (default: the
+    run root's floors.jsonl, if any). `summary` (e.g. the `zbench merge` output) replaces the run root's own
+    summary, so reruns in other run roots are reported too. An existing report there is an error unless
+    `overwrite`."""
     run = load_run_root(root, summary)
+    out = Path(out_dir) if out_dir is not None else run.path
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for {', '.join(REPORT_FILES)}")
+    earlier = [out / n for n in REPORT_FILES[:2] if (out / n).exists()]
+    if earlier and not overwrite:
+        raise ValueError(f"{' and '.join(map(str, earlier))} already exist(s); pass --force to replace the report, "
+                         "or --out DIR to write it elsewhere")
     rspec = load_spec(spec)
     table, base = case_table(run, rspec.get("baseline"))
     series, warnings = collect_series([run])
     fig, _ = render_curves(series, load_spec("plot"), f"{run.matrix} — {run.name}")
     curves_png = _png(fig)
-    default_names(run, overlay=False)[0].write_bytes(curves_png)
     phases = phase_times(run, rspec)
     phase_png = phase_figure(phases) if not phases.empty else b""
     mem = memory_table(run)
@@ -253,12 +271,16 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
 
     md = [f"# zbench report — {run.name}", "", *(f"{line}  " for line in env), "",
           f"## Cases (baseline: {base})", "", _md_table(table), "## Curves", "", "![curves](curves.png)", "",
-          "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds),
+          *(["## Phase times", "", "![phases](phase_times.png)", ""] if phase_png else []), f"## {speed_title}", "", _md_table(speeds),
           *([speed_note, ""] if speed_note else []),
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
-    (run.path / "phase_times.png").write_bytes(phase_png)
-    (run.path / "curves.png").write_bytes(curves_png)
-    md_path, html_path = run.path / "report.md", run.path / "report.html"
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "curves.png"]
+    atomic_write_bytes(out / "curves.png", curves_png)
+    if phase_png:
+        atomic_write_bytes(out / "phase_times.png", phase_png)
+        written.append(out / "phase_times.png")
+    md_path, html_path = out / "report.md", out / "report.html"
     atomic_write_text(md_path, "\n".join(md) + "\n")
 
     def img(data: bytes, alt: str) -> str:
@@ -274,4 +296,4 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
             + "</body></html>")
     atomic_write_text(html_path, page)
-    return Report(md_path, html_path, run.warnings + warnings + floor_warnings)
+    return Report(md_path, html_path, [md_path, html_path, *written], run.warnings + warnings + floor_warnings)

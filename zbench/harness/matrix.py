@@ -147,41 +147,76 @@ def _excluded(name: str, labels: dict[str, str], exclude: Iterable[Any]) -> bool
     return False
 
 
+def _check_sets_keep_names(matrix: Matrix, planned: list[tuple[str, dict[str, Any], dict[str, str]]],
+                           sets: list[tuple[str, Any]]) -> None:
+    """Refuse a `--set` that changes a key a case's name stands for (an axis value or an explicit case's own
+    setting): every case would then run the `--set` value under a name that says otherwise, and results are read
+    back by name. A `--set` equal to every chosen case's own value changes nothing and passes."""
+    for key, value in sets:
+        clash = [(name, overrides[key], owners[key]) for name, overrides, owners in planned
+                 if key in overrides and overrides[key] != value]
+        if not clash:
+            continue
+        owner = clash[0][2]
+        axis_name, axis = next(((a, values) for a, values in matrix.axes if owner == f"axis {a!r}"), ("", None))
+        if axis is not None:
+            matching = [lbl for lbl, ov in axis if ov.get(key) == value]
+            glob = matrix.name_template.format(**{a: matching[0] if a == axis_name else "*" for a, _ in matrix.axes}
+                                               ) if matching else ""
+            pick = (f"choose the cases that already run it with --cases '{glob}' instead" if matching else
+                    f"no label of {owner} sets {key}={value!r}: add one to the matrix, or write a matrix without "
+                    f"that axis")
+            labels = ", ".join(f"{lbl}: {ov.get(key)!r}" for lbl, ov in axis)
+            what = f"the matrix's {owner} sets {key} ({labels})"
+        else:
+            pick = "leave that case out with --cases, or write a matrix that names the case for its value"
+            what = f"the matrix's {owner} sets {key}={clash[0][1]!r}"
+        names = ", ".join(n for n, _, _ in clash[:4]) + (" ..." if len(clash) > 4 else "")
+        raise ConfigError("", f"--set {key}={value!r}: {what}, so {names} would run {key}={value!r} under a "
+                              f"name that says otherwise; {pick}", matrix.source)
+
+
 def expand(
     matrix: Matrix,
     seed: int | None = None,
     steps: int | None = None,
     sets: Iterable[tuple[str, Any]] = (),
     case_globs: Iterable[str] = (),
+    run_defaults: Mapping[str, Any] | None = None,
 ) -> list[Case]:
-    """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values."""
+    """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values,
+    `run_defaults` (the runner's worker count) before them."""
     sets = list(sets)
-    # Precedence, lowest first: base, the run's --seed/--steps, the case's own axis values, then --set.
-    run_level: dict[str, Any] = {}
+    # Precedence, lowest first: base, the run's --seed/--steps and runner defaults, the case's own axis values,
+    # then --set.
+    run_level: dict[str, Any] = dict(run_defaults or {})
     if seed is not None:
         run_level["seed"] = seed
     if steps is not None:
         run_level["steps"] = steps
-    planned: list[tuple[str, dict[str, Any]]] = []
+    planned: list[tuple[str, dict[str, Any], dict[str, str]]] = []  # name, overrides, who set each key
     for combo in itertools.product(*(values for _, values in matrix.axes)) if matrix.axes else []:
         labels = {axis: label for (axis, _), (label, _) in zip(matrix.axes, combo, strict=True)}
         name = matrix.name_template.format(**labels)
         if _excluded(name, labels, matrix.exclude):
             continue
         overrides: dict[str, Any] = {}
-        for _, ov in combo:
+        owners: dict[str, str] = {}
+        for (axis, _), (_, ov) in zip(matrix.axes, combo, strict=True):
             overrides.update(ov)
-        planned.append((name, overrides))
-    planned.extend(matrix.cases)
+            owners.update(dict.fromkeys(ov, f"axis {axis!r}"))
+        planned.append((name, overrides, owners))
+    planned.extend((n, o, dict.fromkeys(o, f"case {n!r}")) for n, o in matrix.cases)
     globs = [g for g in case_globs if g]
     if globs:
-        chosen = [(n, o) for n, o in planned if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+        chosen = [p for p in planned if any(fnmatch.fnmatchcase(p[0], g) for g in globs)]
         if not chosen:
-            raise ConfigError("", f"--cases {','.join(globs)} matches none of {', '.join(n for n, _ in planned)}")
+            raise ConfigError("", f"--cases {','.join(globs)} matches none of {', '.join(p[0] for p in planned)}")
         planned = chosen
+    _check_sets_keep_names(matrix, planned, sets)
     seen: set[str] = set()
     cases = []
-    for name, overrides in planned:
+    for name, overrides, _ in planned:
         check_name(name, "case name", matrix.source)
         if name in seen:
             raise ConfigError("", f"two cases are named {name!r}", matrix.source)
@@ -192,5 +227,6 @@ def expand(
         for key, value in sets:
             set_dotted(data, key, value, "--set")
         cfg = from_dict(data, f"{matrix.source} (case {name})")
-        cases.append(Case(name, cfg, {**overrides, **dict(sets)}))
+        defaults = {k: v for k, v in (run_defaults or {}).items() if k not in overrides}
+        cases.append(Case(name, cfg, {**defaults, **overrides, **dict(sets)}))
     return cases

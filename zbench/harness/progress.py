@@ -1,7 +1,8 @@
 """Live progress of a run: a rich table on a terminal, one plain line per event otherwise.
 
 Both displays follow each case's metrics.jsonl as it grows (reading only the new complete lines) and show
-step/steps, the last ``critic/score/mean`` and ``perf/throughput``, peak memory, elapsed time and an ETA.
+step/steps, the last ``critic/score/mean`` and ``perf/throughput``, the peak of the leading memory figure
+(zbench.runroot.memory_figures: device-wide on a GPU, RSS on CPU, named as such), elapsed time and an ETA.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from zbench.runroot import casedir
+from zbench.runroot.memory_figures import MemoryFigure, leading_in_record
 
 _STYLE = {
     "completed": "green", "running": "cyan", "failed": "red", "oom": "magenta", "timeout": "yellow",
@@ -37,7 +39,8 @@ class CaseView:
     step: int = 0
     score: float | None = None
     throughput: float | None = None
-    peak_memory_gb: float | None = None  # GPU allocated when measured, else CPU memory used
+    peak_memory_gb: float | None = None  # of the leading memory figure (zbench.runroot.memory_figures)
+    memory_figure: MemoryFigure | None = None
     started: float | None = None
     ended: float | None = None
     metrics: Path | None = None
@@ -81,9 +84,11 @@ class CaseView:
             self.score = float(rec["critic/score/mean"])
         if isinstance(rec.get("perf/throughput"), (int, float)):
             self.throughput = float(rec["perf/throughput"])
-        mem = rec.get("perf/max_memory_allocated_gb", rec.get("perf/cpu_memory_used_gb"))
-        if isinstance(mem, (int, float)):
-            self.peak_memory_gb = max(self.peak_memory_gb or 0.0, float(mem))
+        figure = leading_in_record(rec)
+        if figure is not None:
+            if figure != self.memory_figure:  # a record leading with another figure starts its own peak
+                self.memory_figure, self.peak_memory_gb = figure, None
+            self.peak_memory_gb = max(self.peak_memory_gb or 0.0, float(rec[figure.metric]))
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -114,7 +119,7 @@ class RunProgress:
         with self._lock:
             v = self._view(name)
             v.status, v.attempt, v.step, v.started, v.ended = "running", attempt, 0, time.monotonic(), None
-            v.score = v.throughput = v.peak_memory_gb = None
+            v.score = v.throughput = v.peak_memory_gb = v.memory_figure = None
             v.steps_target = steps_target if steps_target is not None else v.steps_target
             v.metrics, v.offset, v.reason = case_dir / casedir.METRICS, 0, ""
             self._on_start(v)
@@ -179,6 +184,8 @@ class PlainProgress(RunProgress):
             ):  # fmt: skip
                 if isinstance(rec.get(key), (int, float)):
                     parts.append(f"{label} {rec[key]:{fmt}}")
+            if v.memory_figure is not None and v.peak_memory_gb is not None:
+                parts.append(f"peak {v.memory_figure.short} {v.peak_memory_gb:.2f} GB")
             self._say(f"[{v.name}] " + " ".join(parts))
         v.new_records.clear()
 
@@ -207,13 +214,18 @@ class LiveProgress(RunProgress):
     def table(self) -> Table:
         """The current table of cases."""
         t = Table(title="zbench", expand=False)
-        for col in ("case", "status", "step", "score", "throughput", "peak mem GB", "elapsed", "ETA"):
+        figures = {v.memory_figure.short for v in self.views.values() if v.memory_figure is not None}
+        mixed = len(figures) > 1  # cases leading with different figures: each value names its own
+        memory = f"peak {next(iter(figures))} GB" if len(figures) == 1 else "peak memory GB"
+        for col in ("case", "status", "step", "score", "throughput", memory, "elapsed", "ETA"):
             t.add_column(col, justify="left" if col in ("case", "status") else "right")
         for v in list(self.views.values()):
             status = v.status + (f" #{v.attempt}" if v.attempt > 1 else "")
             t.add_row(
                 v.name, f"[{_STYLE.get(v.status, '')}]{status}[/]", f"{v.step}/{v.steps_target or '?'}",
-                _num(v.score, ".3f"), _num(v.throughput, ".1f"), _num(v.peak_memory_gb, ".2f"),
+                _num(v.score, ".3f"), _num(v.throughput, ".1f"),
+                _num(v.peak_memory_gb, ".2f") + (f" ({v.memory_figure.short})" if mixed and
+                                                 v.memory_figure and v.peak_memory_gb is not None else ""),
                 _dur(v.elapsed()), _dur(v.eta()),
             )  # fmt: skip
         return t

@@ -31,7 +31,7 @@ class RunnerProfile:
     description: str = ""  # one line for `zbench runners` style listings
     ray_address: str = ""  # ZBENCH_RAY_ADDRESS: "" = local Ray per case; auto, host:port, ray://host:port
     node_ip_address: str = ""  # ZBENCH_RAY_NODE_IP: this node's address in the cluster ("" = Ray's own guess)
-    num_workers: int | None = None  # ranks per case (trainer.world_size) unless --set names one; None: the matrix's
+    num_workers: int | None = None  # ranks per case (trainer.world_size) unless the case or --set names one; None: the matrix's
     python: str | None = None  # interpreter for the engine; None = the one running zbench
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment variables, verbatim
 

@@ -35,13 +35,12 @@ class RunRequest:
 
 def plan_cases(req: RunRequest, profile: RunnerProfile) -> list[Case]:
     """The matrix's cases for this request, each model checked loadable; the runner's worker count applies unless
-    `--set` names one."""
+    the case or `--set` names one."""
     from zbench.models import check_model_path
 
-    sets = list(req.sets)
-    if profile.num_workers is not None and not any(k == "trainer.world_size" for k, _ in sets):
-        sets.insert(0, ("trainer.world_size", profile.num_workers))
-    cases = expand(load_matrix(req.matrix), seed=req.seed, steps=req.steps, sets=sets, case_globs=req.case_globs)
+    workers = {} if profile.num_workers is None else {"trainer.world_size": profile.num_workers}
+    cases = expand(load_matrix(req.matrix), seed=req.seed, steps=req.steps, sets=req.sets, case_globs=req.case_globs,
+                   run_defaults=workers)
     for spec in dict.fromkeys(c.config.model.path for c in cases):
         check_model_path(spec)
     return cases

@@ -10,12 +10,12 @@ from pathlib import Path
 from zbench.runroot import casedir
 from zbench.runroot.casedir import RunRootError
 from zbench.runroot.root import RunRoot
-from zbench.runroot.summary import SUMMARY_COMPLETE, write_summary
+from zbench.runroot.summary import SUMMARY_COMPLETE, read_summary, write_summary
 
 
 @dataclass(frozen=True)
 class MergeResult:
-    """Where merge wrote its table, the rows, and warnings (conflicts overridden by ``force``)."""
+    """Where merge wrote its table, the rows, and warnings (mixed configs let through by ``mixed_configs``)."""
 
     path: Path
     rows: list[dict[str, str]]
@@ -30,7 +30,8 @@ def _ended_at(root: RunRoot, case_dir: str) -> str:
 def merge(
     run_roots: Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str] | None = None,
-    force: bool = False,
+    mixed_configs: bool = False,
+    overwrite: bool = False,
 ) -> MergeResult:
     """Combine the cases of several run roots into one summary (default ``<first root>/summary_complete.tsv``).
 
@@ -38,13 +39,25 @@ def merge(
     case never completed keeps the attempt that recorded the most steps (the latest of those), so the table
     shows what is missing and the most that was measured. Rows are ordered by the first run root's matrix order,
     then cases only other roots have. ``case_dir`` is rewritten relative to the output file's directory. A case
-    whose config_hash differs between run roots is an error naming both roots, unless ``force`` (then the
-    winner's row is kept and a warning returned).
+    whose config_hash differs between run roots is an error naming both roots, unless ``mixed_configs`` (then the
+    winner's row is kept and a warning returned). An existing output file (an earlier merge, perhaps of more run
+    roots) is an error unless ``overwrite``.
     """
     if not run_roots:
         raise ValueError("merge needs at least one run root")
     roots = [RunRoot.open(p) for p in run_roots]
     out_path = Path(out) if out is not None else roots[0].path / SUMMARY_COMPLETE
+    if out_path.is_dir():
+        raise RunRootError(f"--out {out_path} is a directory; give the path of the TSV file to write")
+    if out_path.exists() and not overwrite:
+        try:
+            earlier = read_summary(out_path)
+            roots_in = sorted({Path(r["case_dir"]).parent.name or out_path.parent.name for r in earlier})
+            what = f"a summary of {len(earlier)} case(s) from {', '.join(roots_in) or 'no run root'}"
+        except (RunRootError, OSError, UnicodeDecodeError):
+            what = "not a zbench summary"
+        raise RunRootError(f"{out_path} already exists ({what}); pass --force to replace it, or --out FILE to "
+                           "write this merge elsewhere")
     order: list[str] = []
     candidates: dict[str, list[tuple[int, RunRoot, dict[str, str]]]] = {}
     for idx, root in enumerate(roots):
@@ -62,8 +75,8 @@ def merge(
         if len(distinct) > 1:
             where = "; ".join(f"{p} (config_hash {h})" for h, p in sorted(hashes, key=lambda x: str(x[1])))
             msg = f"case {name!r} has different configs in {where}"
-            if not force:
-                raise RunRootError(f"{msg}; rerun it with the same config, or pass --force to merge anyway")
+            if not mixed_configs:
+                raise RunRootError(f"{msg}; rerun it with the same config, or pass --mixed-configs to merge anyway")
             warnings.append(msg)
 
         def key(c: tuple[int, RunRoot, dict[str, str]]) -> tuple[str, int]:

@@ -189,7 +189,10 @@ def load_spec(name_or_path: str | Path) -> dict[str, Any]:
         if not local.is_file():
             raise RunRootError(f"analysis spec {name_or_path!r} not found (no file, no analysis/{fname})")
         text = local.read_text()
-    data = yaml.safe_load(text)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RunRootError(f"analysis spec {name_or_path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise RunRootError(f"analysis spec {name_or_path}: expected a YAML mapping")
     return data
