@@ -187,3 +187,32 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]
     last = json.loads((case / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["actor/rollout_logprob_diff/mean"] < 0.05
+
+
+@pytest.mark.vllm
+def test_step_seed_gives_the_same_responses_for_the_same_seed() -> None:
+    """Without per-request seeds (`rollout.request_seeds` off) the step's seed alone fixes the responses: the same
+    prompts and seed sample the same tokens, another seed other tokens; per-request seeds likewise."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import AutoConfig
+
+    from zbench.engine import vllm_rollout
+    from zbench.engine.models import resolve_model
+    from zbench.engine.trainer import left_pad
+    from zbench.engine.workers import special_ids
+
+    cfg = from_dict({"algorithm": "grpo", "rollout": {"backend": "vllm", "n": 4, "max_new_tokens": 24},
+                     "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": 1}})
+    path = str(resolve_model("tiny"))
+    pad_id, eos_ids = special_ids(path)
+    tied = bool(getattr(AutoConfig.from_pretrained(path), "tie_word_embeddings", False))
+    rollout = vllm_rollout.build(path, cfg, pad_id, eos_ids, 0, tied)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 7) * 8], pad_id)
+    for request_seeds in (False, True):
+        rollout.request_seeds = request_seeds
+        a, b, c = (rollout.generate(ids, mask, seed, sleep=False)["responses"] for seed in (5, 5, 6))
+        assert torch.equal(a, b), request_seeds
+        assert not torch.equal(a, c), request_seeds
