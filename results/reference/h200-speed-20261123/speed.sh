@@ -4,7 +4,7 @@
 # behaviour ("before": the old-log-prob pass always run, a seeded generator per response) beside the new defaults,
 # in the same process tree and host, 8 steps each:
 #   bash results/reference/h200-speed-20261123/speed.sh bench     # vLLM sampling variants (benchmarks/vllm_sampling.py)
-#   bash results/reference/h200-speed-20261123/speed.sh grpo2     # GRPO ZeRO-2: before, after, after at micro 16
+#   bash results/reference/h200-speed-20261123/speed.sh grpo2     # GRPO ZeRO-2: before, after, after at micro 32 + ckpt
 #   bash results/reference/h200-speed-20261123/speed.sh grpo3     # GRPO ZeRO-3: before, after, after at micro 32 + ckpt
 #   bash results/reference/h200-speed-20261123/speed.sh ppo       # PPO zero2 (32 sequences): before, after
 # Runs from the project root with zbench importable and GSM8K in $GSM8K_DIR (as results/reference/gpu.sh).
@@ -27,8 +27,8 @@ grpo2)
   bash $gpu prep
   RUN_TAG=z2-before bash $gpu run grpo-six-case zero2_no_offload 8 "${proxy[@]}" "${before[@]}"
   RUN_TAG=z2-after bash $gpu run grpo-six-case zero2_no_offload 8 "${proxy[@]}"
-  RUN_TAG=z2-after-mb16 bash $gpu run grpo-six-case zero2_no_offload 8 "${proxy[@]}" \
-    --set actor.micro_batch_size_per_gpu=16
+  RUN_TAG=z2-after-mb32-ckpt bash $gpu run grpo-six-case zero2_no_offload 8 "${proxy[@]}" \
+    --set actor.micro_batch_size_per_gpu=32 --set model.gradient_checkpointing=true
   ;;
 grpo3)
   bash $gpu prep
