@@ -1,19 +1,15 @@
-"""What a rollout with the colocated vLLM engine costs per choice of sampling bookkeeping, on one GPU: one engine
-built as a case builds it (`zbench.engine.vllm_rollout.build`), GSM8K prompts repeated `--n` times, and the
-engine's own generate call, timed with each of
-
-- `rollout.request_seeds` on/off: a seeded generator per response (vLLM's sampler then draws each request's noise
-  one request at a time, every decode step) or one seed per step for the whole batch;
-- `rollout.log_probs` on/off: the sampled tokens' log-probs returned (a log-softmax over the vocabulary and a
-  Python object per token) or not.
+"""What a rollout with the colocated vLLM engine costs with and without the sampled tokens' log-probs
+(`rollout.log_probs`), on one GPU: one engine built as a case builds it (`zbench.engine.vllm_rollout.build`),
+GSM8K prompts repeated `--n` times, and the engine's own generate call. With log-probs, vLLM computes a
+log-softmax over the vocabulary every decode step and builds a Python object per sampled token.
 
     python benchmarks/vllm_sampling.py --model qwen3-0.6b --data /tmp/zbench-gsm8k/train.parquet \
         --prompts 32 --n 4 --new-tokens 512                 # a GPU with vLLM
 
 Each variant is timed `--repeats` times after one warm-up, the engine awake throughout (median seconds, generated
-tokens per second, mean response length); then, for the step seed, whether the same seed gives the same tokens
-and another seed other tokens; last, what the engine's sleep (level 2) and wake-up take, which a case's `gen`
-phase also pays every step. One JSON line per measurement on stdout.
+tokens per second, mean response length); then whether the same seed gives the same tokens and another seed
+other tokens; last, what the engine's sleep (level 2) and wake-up take, which a case's `gen` phase also pays
+every step. One JSON line per measurement on stdout.
 """
 
 from __future__ import annotations
@@ -74,30 +70,28 @@ def main() -> int:
     def generate(seed: int) -> dict[str, torch.Tensor]:
         return rollout.generate(ids, mask, seed, sleep=False)
 
-    for request_seeds in (True, False):
-        for log_probs in (True, False):
-            rollout.request_seeds, rollout.log_probs = request_seeds, log_probs
-            times, lengths = [], []
-            for rep in range(args.repeats + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = generate(1000 + rep)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                lengths.append(float(out["response_mask"].sum(1).float().mean()))
-            best = statistics.median(times[1:])
-            tokens = statistics.mean(lengths[1:]) * len(ids)
-            print(json.dumps({"measure": "generate", "request_seeds": request_seeds, "log_probs": log_probs,
-                              "sequences": len(ids), "median_s": round(best, 3),
-                              "all_s": [round(t, 3) for t in times[1:]], "cold_s": round(times[0], 3),
-                              "generated_tokens_per_s": round(tokens / best),
-                              "mean_response_len": round(statistics.mean(lengths[1:]), 1),
-                              "ms_per_decode_step": round(1000 * best / args.new_tokens, 2), "device": device}),
-                  flush=True)
+    for log_probs in (True, False):
+        rollout.log_probs = log_probs
+        times, lengths = [], []
+        for rep in range(args.repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = generate(1000 + rep)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            lengths.append(float(out["response_mask"].sum(1).float().mean()))
+        best = statistics.median(times[1:])
+        tokens = statistics.mean(lengths[1:]) * len(ids)
+        print(json.dumps({"measure": "generate", "log_probs": log_probs, "sequences": len(ids),
+                          "median_s": round(best, 3), "all_s": [round(t, 3) for t in times[1:]],
+                          "cold_s": round(times[0], 3), "generated_tokens_per_s": round(tokens / best),
+                          "mean_response_len": round(statistics.mean(lengths[1:]), 1),
+                          "ms_per_decode_step": round(1000 * best / args.new_tokens, 2), "device": device}),
+              flush=True)
 
-    rollout.request_seeds, rollout.log_probs = False, False
+    rollout.log_probs = False
     a, b, c = generate(42)["responses"], generate(42)["responses"], generate(43)["responses"]
-    print(json.dumps({"measure": "step_seed_determinism", "same_seed_same_tokens": bool(torch.equal(a, b)),
+    print(json.dumps({"measure": "seed_determinism", "same_seed_same_tokens": bool(torch.equal(a, b)),
                       "other_seed_other_tokens": not bool(torch.equal(a, c))}), flush=True)
 
     torch.cuda.synchronize()

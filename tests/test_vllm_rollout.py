@@ -176,7 +176,7 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     case = tmp_path / "vllm"
     case.mkdir()
     cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2, "model": {"path": "tiny" if tp == 1 else "qwen3-0.6b"},
-           "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp},
+           "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp, "log_probs": True},
            "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": torch.cuda.device_count()},
            "zero": {"stage": 2}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
@@ -190,9 +190,9 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
 
 
 @pytest.mark.vllm
-def test_step_seed_gives_the_same_responses_for_the_same_seed() -> None:
-    """Without per-request seeds (`rollout.request_seeds` off) the step's seed alone fixes the responses: the same
-    prompts and seed sample the same tokens, another seed other tokens; per-request seeds likewise."""
+def test_log_probs_change_no_token() -> None:
+    """`rollout.log_probs` only adds the sampled tokens' log-probs: the same prompts and seed sample the same tokens
+    with and without them, another seed other tokens."""
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -211,8 +211,10 @@ def test_step_seed_gives_the_same_responses_for_the_same_seed() -> None:
     rollout = vllm_rollout.build(path, cfg, pad_id, eos_ids, 0, tied)
     g = torch.Generator().manual_seed(0)
     ids, mask = left_pad([torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 7) * 8], pad_id)
-    for request_seeds in (False, True):
-        rollout.request_seeds = request_seeds
-        a, b, c = (rollout.generate(ids, mask, seed, sleep=False)["responses"] for seed in (5, 5, 6))
-        assert torch.equal(a, b), request_seeds
-        assert not torch.equal(a, c), request_seeds
+    rollout.log_probs = True
+    with_lp = rollout.generate(ids, mask, 5, sleep=False)
+    rollout.log_probs = False
+    without, other = (rollout.generate(ids, mask, seed, sleep=False) for seed in (5, 6))
+    assert "rollout_log_probs" in with_lp and "rollout_log_probs" not in without
+    assert torch.equal(with_lp["responses"], without["responses"])
+    assert not torch.equal(without["responses"], other["responses"])

@@ -98,8 +98,7 @@ class RolloutConfig:
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
     enforce_eager: bool = False  # vllm: no torch.compile or CUDA graphs (slower decoding)
     tensor_parallel_size: int = 1  # vllm: GPUs per engine (a TP group of consecutive ranks shares its prompts)
-    request_seeds: bool = False  # vllm: a seeded generator per response (sampled one by one); off: one seed a step
-    log_probs: bool = True  # vllm: return the sampling log-probs (actor/rollout_logprob_diff compares them)
+    log_probs: bool = False  # vllm: return the sampling log-probs for actor/rollout_logprob_diff (~25% of gen time)
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, ("hf", "vllm", "auto"))

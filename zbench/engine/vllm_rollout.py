@@ -99,7 +99,7 @@ class VLLMRollout:
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
                  max_model_len: int, tied_embeddings: bool, kv_cache_bytes: int | None = None,
-                 enforce_eager: bool = False, request_seeds: bool = False, log_probs: bool = True):
+                 enforce_eager: bool = False, log_probs: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
         if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
@@ -108,7 +108,7 @@ class VLLMRollout:
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tied_embeddings = tied_embeddings
-        self.request_seeds, self.log_probs = request_seeds, log_probs
+        self.log_probs = log_probs
         self.version = installed_vllm()
         self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
@@ -125,13 +125,10 @@ class VLLMRollout:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int,
                  sleep: bool = True) -> dict[str, torch.Tensor]:
-        """One response per row (rows already repeat each prompt n times), sampled from `seed`; then the engine
-        sleeps unless `sleep` is false.
-
-        With `request_seeds` each request has its own generator seeded from `seed` and its row, which vLLM's
-        sampler serves one request at a time every decode step. Without, `seed` seeds this process's CUDA
-        generator, which the in-process engine samples the whole batch from in one call; its scheduling is
-        deterministic in-process, so the same prompts and seed give the same responses either way."""
+        """One response per row (rows already repeat each prompt n times), each request seeded from `seed`; then
+        the engine sleeps unless `sleep` is false. With `log_probs`, also the sampled tokens' log-probs: vLLM then
+        computes a log-softmax over the vocabulary and builds a Python object per token, about a quarter of the
+        rollout's time for 128 sequences of 512 tokens (benchmarks/vllm_sampling.py)."""
         from vllm import SamplingParams, TokensPrompt
 
         from zbench.engine.rollout import response_mask_from
@@ -139,10 +136,8 @@ class VLLMRollout:
         if self.asleep:
             self.wake()
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in strip_left_padding(input_ids, attention_mask)]
-        if not self.request_seeds:
-            torch.cuda.manual_seed(seed)
         params = [SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, top_k=0,
-                                 max_tokens=self.max_new_tokens, seed=seed * 65_537 + i if self.request_seeds else None,
+                                 max_tokens=self.max_new_tokens, seed=seed * 65_537 + i,
                                  logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_ids,
                                  detokenize=False) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -240,4 +235,4 @@ def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int,
                        tensor_parallel_size=r.tensor_parallel_size,
                        seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
                        max_model_len=max_model_len, tied_embeddings=tied_embeddings, kv_cache_bytes=kv_cache_bytes,
-                       enforce_eager=r.enforce_eager, request_seeds=r.request_seeds, log_probs=r.log_probs)
+                       enforce_eager=r.enforce_eager, log_probs=r.log_probs)

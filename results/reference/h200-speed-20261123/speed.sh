@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The speed measurements of this folder, on one H200 (a 1-GPU proxy of the 2-GPU reference config: 32 prompts x 4
 # samples = 128 sequences, one rank's share of the reference's 64 prompts). Each call measures the code's earlier
-# behaviour ("before": the old-log-prob pass always run, a seeded generator per response) beside the new defaults,
-# in the same process tree and host, 8 steps each:
-#   bash results/reference/h200-speed-20261123/speed.sh bench     # vLLM sampling variants (benchmarks/vllm_sampling.py)
+# behaviour ("before": the old-log-prob pass always run, vLLM returning the sampled tokens' log-probs) beside the
+# new defaults, in the same call on the same host, 8 steps each:
+#   bash results/reference/h200-speed-20261123/speed.sh bench     # vLLM with/without log-probs (benchmarks/vllm_sampling.py)
 #   bash results/reference/h200-speed-20261123/speed.sh grpo2     # GRPO ZeRO-2: before, after, after at micro 32 + ckpt
 #   bash results/reference/h200-speed-20261123/speed.sh grpo3     # GRPO ZeRO-3: before, after, after at micro 32 + ckpt
 #   bash results/reference/h200-speed-20261123/speed.sh ppo       # PPO zero2 (32 sequences): before, after
@@ -13,7 +13,7 @@ out=${OUT:-out}; mkdir -p "$out"
 gpu=results/reference/gpu.sh
 proxy=(--set rollout.backend=vllm --set rollout.kv_cache_fit=true
        --set trainer.train_batch_size=32 --set actor.ppo_mini_batch_size=32)
-before=(--set actor.recompute_old_log_prob=always --set rollout.request_seeds=true)
+before=(--set actor.recompute_old_log_prob=always --set rollout.log_probs=true)
 export RUN_BUDGET_S=${RUN_BUDGET_S:-170}
 case ${1:-} in
 bench)
