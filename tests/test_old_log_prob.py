@@ -4,11 +4,14 @@ output (real DeepSpeed on CPU, the embedded tiny model); elsewhere the pass runs
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from test_engine_case import make_case, records, train
 
 from zbench.config import ConfigError, from_dict
 from zbench.engine.models import resolve_model
@@ -94,3 +97,16 @@ def test_update_without_old_log_probs_is_refused_across_mini_batches():
     worker.setup()
     with pytest.raises(ValueError, match="needs old_log_probs unless it runs one epoch of one mini-batch"):
         worker.update_actor(_batch(pad_id=0))
+
+
+def test_case_without_the_pass_records_it(tmp_path: Path):
+    """A GRPO case of one mini-batch per step runs no old-log-prob phase, says so in result.json, and still reports
+    the statistics that read the old log-probs (from the update's own)."""
+    case = make_case(tmp_path, "grpo", steps=2, algorithm="grpo", rollout__n=4, zero__stage=2,
+                     actor__micro_batch_size_per_gpu=8)
+    train(case, timeout=600)
+    assert json.loads((case / "result.json").read_text())["old_log_prob_pass"] is False
+    for rec in records(case):
+        assert "timing_s/old_log_prob" not in rec
+        assert rec["actor/ppo_kl"] == 0 and rec["actor/pg_clipfrac"] == 0
+        assert rec["actor/grad_norm"] > 0 and "timing_s/update_actor" in rec
