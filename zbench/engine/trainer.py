@@ -2,7 +2,8 @@
 
 Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob; skipped
 where the update's own forward gives them exactly) -> reference log-probs (ref) -> values (PPO) -> advantages
-(adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase is timed as `timing_s/<phase>`.
+(adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
+is timed as `timing_s/<phase>`.
 
     python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
 """
