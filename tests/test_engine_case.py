@@ -61,7 +61,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     offload, PPO: actor, critic, optimizer states, data position and sampling all restored). The uninterrupted
     run profiles step 3, which must change none of its numbers and must leave a profile per worker."""
     knobs = dict(algorithm="ppo", zero__stage=3, zero__offload="cpu", trainer__save_freq=2,
-                 actor__use_kl_loss=True)
+                 actor__use_kl_loss=True, actor__recompute_old_log_prob="always")  # every phase runs
     full = make_case(tmp_path, "full", steps=4, trainer__profile_step=3, **knobs)
     train(full)
     check_profiles(full, step=3)
@@ -74,6 +74,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     a, b = records(full), records(part)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert json.loads((part / "result.json").read_text())["resumed_from_step"] == 2
+    assert json.loads((part / "result.json").read_text())["old_log_prob_pass"] is True
     for ra, rb in zip(a, b, strict=True):
         for key in ra:
             if key.startswith(("timing_s/", "perf/")) or key == "time":

@@ -176,7 +176,7 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     case = tmp_path / "vllm"
     case.mkdir()
     cfg = {"name": "vllm", "algorithm": "grpo", "steps": 2, "model": {"path": "tiny" if tp == 1 else "qwen3-0.6b"},
-           "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp},
+           "rollout": {"backend": "vllm", "n": 4, "tensor_parallel_size": tp, "log_probs": True},
            "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": torch.cuda.device_count()},
            "zero": {"stage": 2}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
@@ -187,3 +187,34 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]
     last = json.loads((case / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["actor/rollout_logprob_diff/mean"] < 0.05
+
+
+@pytest.mark.vllm
+def test_log_probs_change_no_token() -> None:
+    """`rollout.log_probs` only adds the sampled tokens' log-probs: the same prompts and seed sample the same tokens
+    with and without them, another seed other tokens."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import AutoConfig
+    from zbench.engine.models import resolve_model
+
+    from zbench.engine import vllm_rollout
+    from zbench.engine.trainer import left_pad
+    from zbench.engine.workers import special_ids
+
+    cfg = from_dict({"algorithm": "grpo", "rollout": {"backend": "vllm", "n": 4, "max_new_tokens": 24},
+                     "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": 1}})
+    path = str(resolve_model("tiny"))
+    pad_id, eos_ids = special_ids(path)
+    tied = bool(getattr(AutoConfig.from_pretrained(path), "tie_word_embeddings", False))
+    rollout = vllm_rollout.build(path, cfg, pad_id, eos_ids, 0, tied)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 7) * 8], pad_id)
+    rollout.log_probs = True
+    with_lp = rollout.generate(ids, mask, 5, sleep=False)
+    rollout.log_probs = False
+    without, other = (rollout.generate(ids, mask, seed, sleep=False) for seed in (5, 6))
+    assert "rollout_log_probs" in with_lp and "rollout_log_probs" not in without
+    assert torch.equal(with_lp["responses"], without["responses"])
+    assert not torch.equal(without["responses"], other["responses"])

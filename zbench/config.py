@@ -107,6 +107,7 @@ class RolloutConfig:
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
     enforce_eager: bool = False  # [experimental] vllm: no torch.compile or CUDA graphs (slower decoding)
     tensor_parallel_size: int = 1  # vllm: GPUs per engine (a TP group of consecutive ranks shares its prompts)
+    log_probs: bool = False  # vllm: return the sampling log-probs for actor/rollout_logprob_diff (~25% of gen time)
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, ("hf", "vllm", "auto"))
@@ -148,6 +149,7 @@ class ActorConfig:
     micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
     forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (log-probs); 0 = as above
     ppo_epochs: int = 1  # passes over each step's batch
+    recompute_old_log_prob: str = "auto"  # auto: only where the update's own forward cannot give it; always
     clip_ratio_low: float = 0.2  # PPO clip: ratio >= 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # PPO clip: ratio <= 1 + clip_ratio_high (DAPO raises it)
     clip_ratio_c: float = 0.0  # dual-clip bound for negative advantages (> 1 enables, e.g. 3.0); 0 = off
@@ -164,6 +166,7 @@ class ActorConfig:
         _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
         _positive("forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu, allow_zero=True)
         _positive("ppo_epochs", self.ppo_epochs)
+        _choice("recompute_old_log_prob", self.recompute_old_log_prob, ("auto", "always"))
         _positive("clip_ratio_low", self.clip_ratio_low)
         _positive("clip_ratio_high", self.clip_ratio_high)
         if self.clip_ratio_c and self.clip_ratio_c <= 1:
@@ -386,6 +389,17 @@ class RunConfig:
     def needs_reference(self) -> bool:
         """Whether the frozen reference model runs: only a KL term (as a loss or in the reward) uses it."""
         return self.actor.use_kl_loss or self.algo.use_kl_in_reward
+
+    @property
+    def old_log_prob_pass(self) -> bool:
+        """Whether the actor's old-log-prob forward runs. With one epoch of one mini-batch per step, no optimizer
+        step comes between sampling and the update's forwards, so the update's own log-probs are the old ones
+        (ratio 1) and the pass only repeats them; several epochs or mini-batches, or a KL penalty in the reward
+        (needed before the update), need it. `actor.recompute_old_log_prob=always` runs it regardless."""
+        a = self.actor
+        exact = (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.trainer.train_batch_size
+                 and not self.algo.use_kl_in_reward)
+        return a.recompute_old_log_prob == "always" or not exact
 
     def batch_plan(self) -> BatchPlan:
         """Sequences per step, per rank, per mini- and micro-batch; checks that everything divides."""

@@ -1,8 +1,9 @@
 """The single controller of one case: places the workers, then runs the PPO or GRPO step loop.
 
-Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob) ->
-reference log-probs (ref) -> values (PPO) -> advantages (adv) -> critic update (PPO) -> actor update ->
-weights into the rollout replica (update_weights). Every phase is timed as `timing_s/<phase>`.
+Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob; skipped
+where the update's own forward gives them exactly) -> reference log-probs (ref) -> values (PPO) -> advantages
+(adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
+is timed as `timing_s/<phase>`.
 
     python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
 """
@@ -183,12 +184,9 @@ class Trainer:
             rc = cfg.reward
             scores = torch.tensor([compute_score(t, g, method=rc.method, format_score=rc.format_score,
                                                  correct_score=rc.correct_score) for t, g in zip(texts, truths, strict=True)])
-        with self._timed("old_log_prob"):
-            batch.update(gather(self.policy.call_sharded("compute_log_prob", shard(pick(batch, *fwd_keys), dp))))
-        if "rollout_log_probs" in batch:  # how far the rollout engine's sampling log-probs are from the actor's
-            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[r_mask.bool()]
-            metrics["actor/rollout_logprob_diff/mean"] = diff.mean().item()
-            metrics["actor/rollout_logprob_diff/max"] = diff.max().item()
+        if cfg.old_log_prob_pass:  # otherwise the update's own forward gives them (see RunConfig.old_log_prob_pass)
+            with self._timed("old_log_prob"):
+                batch.update(gather(self.policy.call_sharded("compute_log_prob", shard(pick(batch, *fwd_keys), dp))))
         if cfg.needs_reference:
             with self._timed("ref"):
                 batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))
@@ -213,9 +211,17 @@ class Trainer:
             with self._timed("update_critic"):
                 metrics.update(mean_of(self.critic.call_sharded(
                     "update_critic", shard(pick(batch, *fwd_keys, "values", "returns"), dp))))
-        actor_keys = (*fwd_keys, "old_log_probs", "advantages") + (("ref_log_probs",) if cfg.actor.use_kl_loss else ())
+        actor_keys = ((*fwd_keys, "advantages") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
+                      + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
         with self._timed("update_actor"):
-            metrics.update(mean_of(self.policy.call_sharded("update_actor", shard(pick(batch, *actor_keys), dp))))
+            outs = self.policy.call_sharded("update_actor", shard(pick(batch, *actor_keys), dp))
+        if not cfg.old_log_prob_pass:  # the update's own log-probs, which the skipped pass would have given
+            batch["old_log_probs"] = torch.cat([out.pop("old_log_probs") for out in outs])
+        metrics.update(mean_of(outs))
+        if "rollout_log_probs" in batch:  # how far the rollout engine's sampling log-probs are from the actor's
+            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[r_mask.bool()]
+            metrics["actor/rollout_logprob_diff/mean"] = diff.mean().item()
+            metrics["actor/rollout_logprob_diff/max"] = diff.max().item()
         with self._timed("update_weights"):
             self.policy.call("sync_weights")
         self.timing["timing_s/step"] = time.perf_counter() - t0
@@ -343,6 +349,7 @@ class Trainer:
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
                 "fused_ops": self.info.get("fused_ops"), "trackers": trackers.close(completed),
+                "old_log_prob_pass": cfg.old_log_prob_pass,
             }
             self.records.result(result)
             return result

@@ -99,7 +99,7 @@ class VLLMRollout:
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
                  max_model_len: int, tied_embeddings: bool, kv_cache_bytes: int | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, log_probs: bool = False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
         if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
@@ -108,6 +108,7 @@ class VLLMRollout:
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tied_embeddings = tied_embeddings
+        self.log_probs = log_probs
         self.version = installed_vllm()
         self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
@@ -122,8 +123,12 @@ class VLLMRollout:
         """No-op: vLLM releases its memory by sleeping, not by moving."""
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-        """One response per row (rows already repeat each prompt n times), each request seeded from `seed`."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int,
+                 sleep: bool = True) -> dict[str, torch.Tensor]:
+        """One response per row (rows already repeat each prompt n times), each request seeded from `seed`; then
+        the engine sleeps unless `sleep` is false. With `log_probs`, also the sampled tokens' log-probs: vLLM then
+        computes a log-softmax over the vocabulary and builds a Python object per token, about a quarter of the
+        rollout's time for 128 sequences of 512 tokens (benchmarks/vllm_sampling.py)."""
         from vllm import SamplingParams, TokensPrompt
 
         from zbench.engine.rollout import response_mask_from
@@ -132,8 +137,9 @@ class VLLMRollout:
             self.wake()
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in strip_left_padding(input_ids, attention_mask)]
         params = [SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, top_k=0,
-                                 max_tokens=self.max_new_tokens, seed=seed * 65_537 + i, logprobs=0,
-                                 stop_token_ids=self.eos_ids, detokenize=False) for i in range(len(prompts))]
+                                 max_tokens=self.max_new_tokens, seed=seed * 65_537 + i,
+                                 logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_ids,
+                                 detokenize=False) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         responses = torch.full((len(outs), self.max_new_tokens), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros((len(outs), self.max_new_tokens), dtype=torch.float32)
@@ -141,12 +147,18 @@ class VLLMRollout:
             completion = out.outputs[0]
             ids = list(completion.token_ids)[: self.max_new_tokens]
             responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logprobs[row, : len(ids)] = torch.tensor([completion.logprobs[i][t].logprob for i, t in enumerate(ids)])
+            if self.log_probs:
+                logprobs[row, : len(ids)] = torch.tensor([completion.logprobs[i][t].logprob
+                                                          for i, t in enumerate(ids)])
         mask = response_mask_from(responses, self.eos_ids, self.pad_id)
         self.awake_used_gb = gpu_memory_in_use_gb()  # the GPU's use with the engine awake, before it sleeps
-        self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
-        self.asleep = True
-        return {"responses": responses, "response_mask": mask, "rollout_log_probs": logprobs * mask}
+        if sleep:
+            self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
+            self.asleep = True
+        out = {"responses": responses, "response_mask": mask}
+        if self.log_probs:
+            out["rollout_log_probs"] = logprobs * mask
+        return out
 
     def wake(self) -> None:
         self.llm.wake_up(tags=["weights"])
@@ -223,4 +235,4 @@ def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int,
                        tensor_parallel_size=r.tensor_parallel_size,
                        seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
                        max_model_len=max_model_len, tied_embeddings=tied_embeddings, kv_cache_bytes=kv_cache_bytes,
-                       enforce_eager=r.enforce_eager)
+                       enforce_eager=r.enforce_eager, log_probs=r.log_probs)

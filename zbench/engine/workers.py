@@ -393,16 +393,27 @@ class PolicyWorker(_Worker):
         return self._score(self.ref, batch, "ref_log_probs")
 
     @phase("update_actor")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch."""
+    def update_actor(self, batch: Batch) -> dict[str, Any]:
+        """ppo_epochs passes of clipped policy-gradient updates over this rank's share of the step's batch.
+
+        A batch without `old_log_probs` (`RunConfig.old_log_prob_pass` false: one epoch of one mini-batch) takes
+        the update's own log-probs, detached, as the old ones; they are returned as `old_log_probs` (host, in row
+        order) beside the statistics, as the skipped pass would have given them."""
         a = self.cfg.actor
+        reused = "old_log_probs" not in batch
+        if reused and (a.ppo_epochs != 1 or self.cfg.batch_plan().mini_batch_sequences // self.world_size
+                       != next(iter(batch.values())).shape[0]):
+            raise ValueError("update_actor needs old_log_probs unless it runs one epoch of one mini-batch")
+        own: list[torch.Tensor] = []
 
         def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]]) -> torch.Tensor:
             mask = mb["response_mask"]
             logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
+            if reused:
+                own.append(logp.detach())
             pg_loss, clipfrac, ppo_kl = algos.policy_loss(
-                mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
-                a.clip_ratio_c or None)
+                own[-1] if reused else mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
+                a.clip_ratio_high, a.clip_ratio_c or None)
             entropy = algos.masked_mean(ent, mask)
             loss = pg_loss - a.entropy_coeff * entropy
             if a.use_kl_loss:
@@ -415,7 +426,10 @@ class PolicyWorker(_Worker):
             stats["actor/entropy"].append(entropy.detach())
             return loss
 
-        return self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
+        out: dict[str, Any] = self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
+        if reused:
+            out["old_log_probs"] = torch.cat(own).float().cpu()
+        return out
 
     @phase("update_weights")
     @torch.no_grad()
