@@ -7,6 +7,7 @@ root, no summary, missing columns, no completed case).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,9 +98,12 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if not path.is_file():
         what = "is empty" if not any(root.iterdir()) else f"has no {MANIFEST}"
         raise RunRootError(f"run root {root} {what}: not a zbench run root, or the run never started")
-    data = casedir.read_json(path)
-    if data is None:
-        raise RunRootError(f"{path}: not a JSON object (a zbench manifest is one)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunRootError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RunRootError(f"{path}: expected a JSON object (a zbench manifest is one)")
     return data
 
 
