@@ -497,6 +497,14 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     return ConfigError(key, f"unknown key{hint} (valid: {', '.join(valid)})")
 
 
+# Keys a config.yaml of an earlier zbench may hold, with the one value whose behaviour zbench still has: a recorded
+# run keeps reading (and rerunning) as what it ran, while a value whose behaviour is gone is an error naming it.
+RETIRED_KEYS: dict[str, tuple[Any, str]] = {
+    "rollout.request_seeds": (True, "vLLM samples every response with its own seed, the only way it reproduces its "
+                                    "tokens; one seed per step was removed"),
+}
+
+
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {data!r}")
@@ -505,6 +513,12 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
+        if dotted in RETIRED_KEYS:
+            kept, why = RETIRED_KEYS[dotted]
+            if value == kept:
+                continue  # what it asked for is what zbench does now
+            raise ConfigError(dotted, f"{value!r} is no longer supported ({why}); remove the key, or run this "
+                                      f"config with the zbench version that wrote it")
         if key not in names:
             raise _unknown_key(dotted, [f"{prefix}.{n}" if prefix else n for n in names])
         tp = hints[key]
