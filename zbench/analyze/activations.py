@@ -18,11 +18,11 @@ and libraries) is measured once per case by the tuner and added as an offset (`z
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, ModelDims, estimate_case, resolve_model_dims
 from zbench.config import RunConfig
 
-KV_SPARE = 1.05  # the fitted cache's margin (zbench.engine.vllm_rollout.fitted_kv_cache_bytes)
 LOGIT_BYTES = 2 * 4  # fp32 logits and their log-softmax, per token and vocabulary entry
 
 
@@ -50,11 +50,6 @@ def _layer_elements(d: ModelDims) -> int:
     """Activation elements one decoder layer keeps per token for its backward."""
     q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
     return 4 * d.hidden_size + 4 * q + 2 * kv + 4 * d.intermediate_size
-
-
-def kv_bytes_per_token(d: ModelDims, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
-    """Keys and values of one token over all layers, on one rank of a tensor-parallel engine."""
-    return 2 * d.num_layers * max(1, d.num_kv_heads // tensor_parallel_size) * d.head_dim * dtype_bytes
 
 
 def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: ModelDims | None = None
@@ -85,9 +80,14 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     backend_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_cuda)
     if on_cuda and backend_vllm:
         r = cfg.rollout
-        if r.kv_cache_fit:
+        if r.kv_cache_fit:  # sized as the engine sizes it, from the dims a Hugging Face config would give
+            from zbench.engine.vllm_rollout import fitted_kv_cache_bytes
+
+            shape = SimpleNamespace(num_hidden_layers=d.num_layers, num_attention_heads=d.num_heads,
+                                    num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
+                                    hidden_size=d.hidden_size)
             sequences = cfg.batch_plan().sequences_per_rank * r.tensor_parallel_size
-            kv = int(sequences * seq * kv_bytes_per_token(d, r.tensor_parallel_size) * KV_SPARE)
+            kv = fitted_kv_cache_bytes(shape, sequences, seq, r.tensor_parallel_size)
         else:
             kv = int(r.gpu_memory_utilization * device_bytes)
     if not on_cuda:  # every rank's states and passes live in the one host's memory

@@ -242,11 +242,12 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     description = (f"{matrix.name} tuned by zbench tune ({root.path.name}): each case at its fastest batch geometry "
                    f"within {budget_gb:.2f} GB ({measure})")
     rows: list[dict] = []
+    walls: list[float] = []  # every trial's seconds, for the time budget
     stopped: str | None = None
     try:
         for tune in tunes:
             stopped = _tune_case(root, tune, req, profile, rows, budget_gb, on_cuda, started, clock, out,
-                                 lambda: _write_outputs(root, rows, tunes, matrix.base, description))
+                                 lambda: _write_outputs(root, rows, tunes, matrix.base, description), walls)
             if stopped:
                 break
     except RunInterrupted:
@@ -268,19 +269,28 @@ def _manifest_entry(tunes: list[CaseTune], budget_gb: float, measure: str, req: 
                                     "notes": t.search.notes} for t in tunes}}
 
 
+def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]) -> str | None:
+    """Why the next trial must not start, or None: the budget is spent, or less of it is left than the longest
+    trial so far took (a trial cut short measures nothing)."""
+    if budget_s is None or left_s is None:
+        return None
+    if left_s <= 0 or (walls and max(walls) > left_s):
+        return (f"time budget of {budget_s:g} s: {max(left_s, 0):.0f} s left, the longest trial so far took "
+                f"{max(walls, default=0):.0f} s")
+    return None
+
+
 def _tune_case(root: RunRoot, tune: CaseTune, req: TuneRequest, profile: Any, rows: list[dict], budget_gb: float,
                on_cuda: bool, started: float, clock: Callable[[], float], out: TextIO,
-               write: Callable[[], bool]) -> str | None:
+               write: Callable[[], bool], walls: list[float]) -> str | None:
     """Run one case's search to its end; returns why the tune stopped early, or None."""
     name = tune.case.name
     plan = tune.search.plan()
     geometry = next(plan, None)
-    walls: list[float] = []
     while geometry is not None:
         budget_left = None if req.time_budget_s is None else req.time_budget_s - (clock() - started)
-        if budget_left is not None and (budget_left <= 0 or (walls and max(walls) > budget_left)):
-            stop = (f"time budget of {req.time_budget_s:g} s: {max(budget_left, 0):.0f} s left, the longest trial "
-                    f"took {max(walls, default=0):.0f} s")
+        stop = out_of_time(req.time_budget_s, budget_left, walls)
+        if stop:
             print(f"[tune] {name}: stopped before {geometry.label()}: {stop}", file=out, flush=True)
             return stop
         trial = f"{name}.t{len(tune.search.trials) + 1}"

@@ -88,9 +88,14 @@ class Search:
         return self.predicted_gb(g) <= self.space.budget_gb
 
     def best(self) -> TrialResult | None:
-        """The fastest trial within the budget."""
+        """The fastest trial within the budget; of those within the tolerance of the fastest (which a few timed
+        steps cannot tell apart), the one that needs the least memory."""
         ok = [t for t in self.trials if t.status == OK and t.step_s is not None]
-        return min(ok, key=lambda t: t.step_s or 0.0) if ok else None
+        if not ok:
+            return None
+        fastest = min(t.step_s or 0.0 for t in ok)
+        close = [t for t in ok if (t.step_s or 0.0) <= fastest * (1 + self.space.tolerance)]
+        return min(close, key=lambda t: (t.peak_gb if t.peak_gb is not None else float("inf"), t.step_s))
 
     def faster(self, r: TrialResult, than: TrialResult | None) -> bool:
         """Whether `r` ran within budget and beat `than` by more than the tolerance."""
