@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from zbench.analyze.curves import collect_series, default_names, render_curves
+from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
 from zbench.runroot.casedir import atomic_write_text
 from zbench.runroot.read import (
@@ -256,6 +257,11 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
           "## Phase times", "", "![phases](phase_times.png)", "", f"## {speed_title}", "", _md_table(speeds),
           *([speed_note, ""] if speed_note else []),
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
+    tuning = tuning_frontier(run.path, run.manifest)  # a tune's run root, or a run of its tuned.yaml
+    if tuning is not None:
+        (run.path / "frontier.png").write_bytes(tuning.png)
+        md += ["", "## Tuning: what memory buys", "", tuning.note, "", "![frontier](frontier.png)", "",
+               _md_table(tuning.table)]
     (run.path / "phase_times.png").write_bytes(phase_png)
     (run.path / "curves.png").write_bytes(curves_png)
     md_path, html_path = run.path / "report.md", run.path / "report.html"
@@ -272,6 +278,8 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}"
             + (f"<p>{html.escape(speed_note)}</p>" if speed_note else "")
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
+            + (f"<h2>Tuning: what memory buys</h2><p>{html.escape(tuning.note)}</p>{img(tuning.png, 'frontier')}"
+               f"{_html_table(tuning.table)}" if tuning is not None else "")
             + "</body></html>")
     atomic_write_text(html_path, page)
     return Report(md_path, html_path, run.warnings + warnings + floor_warnings)
