@@ -120,7 +120,9 @@ def device_budget_gb(on_cuda: bool) -> tuple[float, str]:
     if on_cuda:
         import torch
 
-        return torch.cuda.mem_get_info(0)[1] / GIB, "device-wide GPU memory in use (perf/device_memory_used_gb)"
+        # the device's size without allocating on it (which would count in the trials' device-wide figure)
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total / GIB, "device-wide GPU memory in use (perf/device_memory_used_gb)"
     import psutil
 
     return psutil.virtual_memory().total / GIB, "CPU RSS of the case's processes (perf/cpu_memory_used_gb)"
@@ -298,7 +300,7 @@ def _tune_case(root: RunRoot, tune: CaseTune, req: TuneRequest, profile: Any, ro
         overrides = {**tune.overrides(geometry), "steps": req.steps, "name": trial, "trainer.profile_step": 0,
                      "trainer.save_freq": 0, "trainer.logger": ["console"]}
         cfg = with_overrides(tune.case.config, overrides)
-        predicted = tune.search.predicted_gb(geometry)
+        model_gb, offset_gb = tune.search.space.predict_gb(geometry), tune.search.offset_gb()
         root.update_manifest(cases=[*root.manifest["cases"], {"name": trial, "dir": trial,
                                                               "overrides": {**tune.case.overrides, **overrides}}])
         options = options_for_profile(profile, case_timeout_s=budget_left, step_timeout_s=req.step_timeout_s,
@@ -322,7 +324,8 @@ def _tune_case(root: RunRoot, tune: CaseTune, req: TuneRequest, profile: Any, ro
         step = f"step {result.step_s:.3f} s" if result.step_s is not None else "no timed step"
         peak = f"peak {result.peak_gb:.2f} GB" if result.peak_gb is not None else "no memory figure"
         print(f"[tune] {name} trial {len(tune.search.trials) + 1} ({trial}): {geometry.label()} -> {result.status}, "
-              f"{step}, {peak} (predicted {predicted:.2f} GB){'; ' + row['reason'] if row['reason'] else ''}",
+              f"{step}, {peak} (predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on "
+              f"this case {offset_gb:.2f}){'; ' + row['reason'] if row['reason'] else ''}",
               file=out, flush=True)
         if stop:
             tune.search.trials.append(result)
