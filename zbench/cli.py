@@ -169,10 +169,11 @@ def tune(
     set_: SetOpt = None,
     cases: Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated.")] = None,
     memory_budget: Annotated[float | None, typer.Option(
-        help="GB a trial's peak may reach: device-wide per GPU, or the processes' RSS on CPU [what the device has]."
+        help="GB a trial's peak may reach: device-wide per GPU, or the processes' RSS on CPU (default: what the "
+             "device has)."
     )] = None,
     time_budget: Annotated[float | None, typer.Option(
-        help="Seconds for the whole tune; a stopped tune still writes what it found [no limit].")] = None,
+        help="Seconds for the whole tune; a stopped tune still writes what it found (default: no limit).")] = None,
     steps: Annotated[int, typer.Option(help="Steps per trial: a warm-up step, then timed ones.")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of every trial.")] = 7777,
     tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default tune_<matrix>).")] = None,
