@@ -22,10 +22,10 @@ from typing import Any, TextIO
 from zbench.analyze.activations import geometry_memory
 from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, from_dict, set_dotted, to_dict
-from zbench.harness.launch import LaunchOptions, RunInterrupted, options_for_profile, run_cases
+from zbench.harness.launch import RunInterrupted, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
-from zbench.harness.runner_profile import load_runner_profile
+from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
 from zbench.harness.runs import RunRequest, plan_cases, prepare_models
 from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
 from zbench.runroot import casedir
@@ -203,20 +203,119 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
     return node
 
 
-def _write_outputs(root: RunRoot, rows: list[dict], tunes: list[CaseTune], base: dict[str, Any], description: str
-                   ) -> bool:
-    """Rewrite tuning.tsv and tuned.yaml (when some case has a geometry); True when tuned.yaml was written."""
-    chosen = {tune.trial_names.get(c.geometry) for tune in tunes if (c := tune.chosen())}
-    write_tuning(root.path / TUNING, [{**r, "chosen": r["trial"] in chosen} for r in rows])
-    cases = []
-    for tune in tunes:
+@dataclass
+class _Tuner:
+    """The state of one tune across its cases: the run root, the rows of tuning.tsv, the clock."""
+
+    req: TuneRequest
+    root: RunRoot
+    profile: RunnerProfile
+    tunes: list[CaseTune]
+    base: dict[str, Any]  # the matrix's base, for tuned.yaml
+    description: str
+    budget_gb: float
+    on_cuda: bool
+    started: float
+    clock: Callable[[], float]
+    out: TextIO
+    rows: list[dict] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)  # every trial's seconds, for the time budget
+
+    def say(self, text: str) -> None:
+        print(f"[tune] {text}", file=self.out, flush=True)
+
+    def write(self) -> bool:
+        """Rewrite tuning.tsv and tuned.yaml (when some case has a geometry); True when tuned.yaml was written."""
+        chosen = {tune.trial_names.get(c.geometry) for tune in self.tunes if (c := tune.chosen())}
+        write_tuning(self.root.path / TUNING, [{**r, "chosen": r["trial"] in chosen} for r in self.rows])
+        cases = []
+        for tune in self.tunes:
+            best = tune.chosen()
+            if best is not None:
+                own = {k: v for k, v in tune.case.overrides.items() if k != "steps"}
+                cases.append((tune.case.name, {**own, **tune.overrides(best.geometry)}))
+        if cases:
+            write_tuned(self.root.path / TUNED, self.description, self.base, cases)
+        return bool(cases)
+
+    def tune_case(self, tune: CaseTune) -> str | None:
+        """Run one case's search to its end; returns why the tune stopped early, or None."""
+        name = tune.case.name
+        plan = tune.search.plan()
+        geometry = next(plan, None)
+        while geometry is not None:
+            left = None if self.req.time_budget_s is None else self.req.time_budget_s - (self.clock() - self.started)
+            stop = out_of_time(self.req.time_budget_s, left, self.walls)
+            if stop:
+                self.say(f"{name}: stopped before {geometry.label()}: {stop}")
+                return stop
+            result, stop = self.trial(tune, geometry, left)
+            if stop:
+                tune.search.trials.append(result)  # the plan is not resumed: the trial is recorded here
+                self.write()
+                return stop
+            try:
+                geometry = plan.send(result)
+            except StopIteration:
+                geometry = None
+            self.write()
+        tune.complete = True
+        for note in tune.search.notes:
+            self.say(f"{name}: {note}")
         best = tune.chosen()
-        if best is not None:
-            own = {k: v for k, v in tune.case.overrides.items() if k != "steps"}
-            cases.append((tune.case.name, {**own, **tune.overrides(best.geometry)}))
-    if cases:
-        write_tuned(root.path / TUNED, description, base, cases)
-    return bool(cases)
+        verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s, "
+                   f"peak {best.peak_gb:.2f} GB" if best and best.step_s is not None and best.peak_gb is not None
+                   else "no geometry ran within the budget")
+        self.say(f"{name}: {len(tune.search.trials)} trials; {verdict}")
+        return None
+
+    def trial(self, tune: CaseTune, g: Geometry, left_s: float | None) -> tuple[TrialResult, str | None]:
+        """Run one trial through the launcher (killed when the time budget runs out), record its row; returns its
+        result and, when the time budget ended it, why the tune stops."""
+        number = len(tune.search.trials) + 1
+        trial = f"{tune.case.name}.t{number}"
+        tune.trial_names[g] = trial
+        # trials are measurements: no profiled step, checkpoint or tracker (the tuned run keeps the case's own)
+        overrides = {**tune.overrides(g), "steps": self.req.steps, "name": trial, "trainer.profile_step": 0,
+                     "trainer.save_freq": 0, "trainer.logger": ["console"]}
+        cfg = with_overrides(tune.case.config, overrides)
+        model_gb, offset_gb = tune.search.space.predict_gb(g), tune.search.offset_gb()
+        self.root.update_manifest(cases=[*self.root.manifest["cases"], {
+            "name": trial, "dir": trial, "overrides": {**tune.case.overrides, **overrides}}])
+        options = options_for_profile(self.profile, case_timeout_s=left_s, step_timeout_s=self.req.step_timeout_s,
+                                      retries=self.req.retries)
+        t0 = self.clock()
+        try:
+            with make_progress([(trial, cfg.steps)], stream=self.out) as progress:
+                status = run_cases(self.root, [(trial, cfg)], options, progress)[0]
+        except RunInterrupted:
+            status = casedir.read_status(self.root.case_dir(trial)) or {}
+            row, result = _trial_row(self.root, tune, trial, g, cfg, status, self.budget_gb, self.on_cuda,
+                                     self.clock() - t0, "interrupted by a signal")
+            tune.search.trials.append(result)
+            self.rows.append(row)
+            raise
+        wall = self.clock() - t0
+        self.walls.append(wall)
+        timed_out = left_s is not None and status.get("status") == "timeout" \
+            and str(status.get("reason", "")).startswith("case timeout")
+        stop = f"time budget of {self.req.time_budget_s:g} s spent during this trial" if timed_out else None
+        row, result = _trial_row(self.root, tune, trial, g, cfg, status, self.budget_gb, self.on_cuda, wall, stop)
+        self.rows.append(row)
+        step = f"step {result.step_s:.3f} s" if result.step_s is not None else "no timed step"
+        peak = f"peak {result.peak_gb:.2f} GB" if result.peak_gb is not None else "no memory figure"
+        self.say(f"{tune.case.name} trial {number} ({trial}): {g.label()} -> {result.status}, {step}, {peak} "
+                 f"(predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on this "
+                 f"case {offset_gb:.2f}){'; ' + row['reason'] if row['reason'] else ''}")
+        return result, stop
+
+    def manifest_entry(self, stopped: str | None) -> dict[str, Any]:
+        """The tune's settings and each case's outcome, for manifest.json."""
+        return {"memory_budget_gb": self.budget_gb, "time_budget_s": self.req.time_budget_s,
+                "trial_steps": self.req.steps, "stopped": stopped,
+                "cases": {t.case.name: {"trials": len(t.search.trials), "complete": t.complete,
+                                        "chosen": t.trial_names.get(c.geometry) if (c := t.chosen()) else None,
+                                        "notes": t.search.notes} for t in self.tunes}}
 
 
 def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
@@ -240,35 +339,26 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
                           steps=req.steps, cases=[], command=argv, runner=profile.name)
     print(f"[tune] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
-    tunes = [case_space(c, budget_gb, on_cuda, int(device_gb * GIB)) for c in cases]
-    description = (f"{matrix.name} tuned by zbench tune ({root.path.name}): each case at its fastest batch geometry "
-                   f"within {budget_gb:.2f} GB ({measure})")
-    rows: list[dict] = []
-    walls: list[float] = []  # every trial's seconds, for the time budget
+    tuner = _Tuner(req=req, root=root, profile=profile, tunes=[case_space(c, budget_gb, on_cuda, int(device_gb * GIB))
+                                                               for c in cases],
+                   base=matrix.base, budget_gb=budget_gb, on_cuda=on_cuda, started=started, clock=clock, out=out,
+                   description=f"{matrix.name} tuned by zbench tune ({root.path.name}): each case at its fastest "
+                               f"batch geometry within {budget_gb:.2f} GB ({measure})")
     stopped: str | None = None
     try:
-        for tune in tunes:
-            stopped = _tune_case(root, tune, req, profile, rows, budget_gb, on_cuda, started, clock, out,
-                                 lambda: _write_outputs(root, rows, tunes, matrix.base, description), walls)
+        for tune in tuner.tunes:
+            stopped = tuner.tune_case(tune)
             if stopped:
                 break
     except RunInterrupted:
         stopped = "interrupted by a signal"
         raise
     finally:
-        _write_outputs(root, rows, tunes, matrix.base, description)
+        tuner.write()
         root.write_summary()
-        root.update_manifest(ended_at=casedir.utc_now(), tune=_manifest_entry(tunes, budget_gb, measure, req, stopped))
-    return TuneOutcome(root, tunes, stopped)
-
-
-def _manifest_entry(tunes: list[CaseTune], budget_gb: float, measure: str, req: TuneRequest, stopped: str | None
-                    ) -> dict[str, Any]:
-    return {"memory_budget_gb": budget_gb, "memory_measure": measure, "time_budget_s": req.time_budget_s,
-            "trial_steps": req.steps, "stopped": stopped,
-            "cases": {t.case.name: {"trials": len(t.search.trials), "complete": t.complete,
-                                    "chosen": t.trial_names.get(c.geometry) if (c := t.chosen()) else None,
-                                    "notes": t.search.notes} for t in tunes}}
+        root.update_manifest(ended_at=casedir.utc_now(), tune={**tuner.manifest_entry(stopped),
+                                                               "memory_measure": measure})
+    return TuneOutcome(root, tuner.tunes, stopped)
 
 
 def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]) -> str | None:
@@ -280,73 +370,3 @@ def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]
         return (f"time budget of {budget_s:g} s: {max(left_s, 0):.0f} s left, the longest trial so far took "
                 f"{max(walls, default=0):.0f} s")
     return None
-
-
-def _tune_case(root: RunRoot, tune: CaseTune, req: TuneRequest, profile: Any, rows: list[dict], budget_gb: float,
-               on_cuda: bool, started: float, clock: Callable[[], float], out: TextIO,
-               write: Callable[[], bool], walls: list[float]) -> str | None:
-    """Run one case's search to its end; returns why the tune stopped early, or None."""
-    name = tune.case.name
-    plan = tune.search.plan()
-    geometry = next(plan, None)
-    while geometry is not None:
-        budget_left = None if req.time_budget_s is None else req.time_budget_s - (clock() - started)
-        stop = out_of_time(req.time_budget_s, budget_left, walls)
-        if stop:
-            print(f"[tune] {name}: stopped before {geometry.label()}: {stop}", file=out, flush=True)
-            return stop
-        trial = f"{name}.t{len(tune.search.trials) + 1}"
-        tune.trial_names[geometry] = trial
-        overrides = {**tune.overrides(geometry), "steps": req.steps, "name": trial, "trainer.profile_step": 0,
-                     "trainer.save_freq": 0, "trainer.logger": ["console"]}
-        cfg = with_overrides(tune.case.config, overrides)
-        model_gb, offset_gb = tune.search.space.predict_gb(geometry), tune.search.offset_gb()
-        root.update_manifest(cases=[*root.manifest["cases"], {"name": trial, "dir": trial,
-                                                              "overrides": {**tune.case.overrides, **overrides}}])
-        options = options_for_profile(profile, case_timeout_s=budget_left, step_timeout_s=req.step_timeout_s,
-                                      retries=req.retries)
-        t0 = clock()
-        try:
-            status = _run_one(root, trial, cfg, options, out)
-        except RunInterrupted:
-            row, result = _trial_row(root, tune, trial, geometry, cfg, casedir.read_status(root.case_dir(trial)) or {},
-                                     budget_gb, on_cuda, clock() - t0, "interrupted by a signal")
-            tune.search.trials.append(result)
-            rows.append(row)
-            raise
-        wall = clock() - t0
-        walls.append(wall)
-        timed_out = budget_left is not None and status.get("status") == "timeout" \
-            and str(status.get("reason", "")).startswith("case timeout")
-        stop = f"time budget of {req.time_budget_s:g} s spent during this trial" if timed_out else None
-        row, result = _trial_row(root, tune, trial, geometry, cfg, status, budget_gb, on_cuda, wall, stop)
-        rows.append(row)
-        step = f"step {result.step_s:.3f} s" if result.step_s is not None else "no timed step"
-        peak = f"peak {result.peak_gb:.2f} GB" if result.peak_gb is not None else "no memory figure"
-        print(f"[tune] {name} trial {len(tune.search.trials) + 1} ({trial}): {geometry.label()} -> {result.status}, "
-              f"{step}, {peak} (predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on "
-              f"this case {offset_gb:.2f}){'; ' + row['reason'] if row['reason'] else ''}",
-              file=out, flush=True)
-        if stop:
-            tune.search.trials.append(result)
-            write()
-            return stop
-        try:
-            geometry = plan.send(result)
-        except StopIteration:
-            geometry = None
-        write()
-    tune.complete = True
-    for note in tune.search.notes:
-        print(f"[tune] {name}: {note}", file=out, flush=True)
-    best = tune.chosen()
-    verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s, peak "
-               f"{best.peak_gb:.2f} GB" if best and best.step_s is not None and best.peak_gb is not None
-               else "no geometry ran within the budget")
-    print(f"[tune] {name}: {len(tune.search.trials)} trials; {verdict}", file=out, flush=True)
-    return None
-
-
-def _run_one(root: RunRoot, trial: str, cfg: RunConfig, options: LaunchOptions, out: TextIO) -> dict[str, Any]:
-    with make_progress([(trial, cfg.steps)], stream=out) as progress:
-        return run_cases(root, [(trial, cfg)], options, progress)[0]
