@@ -193,3 +193,26 @@ def test_the_memory_model_of_a_geometry() -> None:
     share = geometry_memory(cfg(rollout={"n": 4, "backend": "vllm"}), on_cuda=True, device_bytes=100 * 2**30)
     assert share.kv_cache == int(0.35 * 100 * 2**30)
     assert geometry_memory(cfg(), on_cuda=False).kv_cache == 0  # no vLLM on CPU
+
+
+def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
+    from zbench.harness.matrix import expand, load_matrix
+    from zbench.harness.tune import case_space
+
+    six = expand(load_matrix("six-case"), case_globs=["zero2_no_offload"])
+    free = case_space(six[0], budget_gb=10.0, on_cuda=False, device_bytes=0)
+    assert free.keys == {"train": ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"),
+                         "forward": ("actor.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
+                         "checkpointing": ("model.gradient_checkpointing",)}
+    # 8 prompts x 1 sample over 2 ranks: micro-batches of 1, 2 or 4 divide a rank's mini-batch of 4 sequences
+    assert free.search.space.train_micros == (1, 2, 4) and free.search.space.checkpointing == (False, True)
+    assert free.overrides(Geometry(2, 4, True)) == {
+        "actor.micro_batch_size_per_gpu": 2, "critic.micro_batch_size_per_gpu": 2,
+        "actor.forward_micro_batch_size_per_gpu": 4, "critic.forward_micro_batch_size_per_gpu": 4,
+        "model.gradient_checkpointing": True}
+
+    ac = expand(load_matrix("ddp-vs-zero"), case_globs=["zero2_ac"], sets=[("actor.micro_batch_size_per_gpu", 2)])
+    fixed = case_space(ac[0], budget_gb=10.0, on_cuda=False, device_bytes=0)
+    assert fixed.keys["train"] == ("critic.micro_batch_size_per_gpu",)  # the actor's is the user's
+    assert fixed.keys["checkpointing"] == () and fixed.search.space.checkpointing == (True,)  # the case's own axis
+    assert "actor.micro_batch_size_per_gpu" not in fixed.overrides(Geometry(1, 0, True))

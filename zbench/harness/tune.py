@@ -7,8 +7,10 @@ Each trial is a short real run of the case (a warm-up step, then timed steps) in
 `<case>.t<k>` of one run root, started and classified by the same launcher as `zbench run` (an out-of-memory trial
 is a recorded outcome, never fatal). A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU)
 exceeds the budget is `over_budget`. Which geometry comes next is `zbench.harness.tune_search`'s job; keys the
-case's matrix entry or `--set` gives are fixed, never tuned. After every trial `tuning.tsv` and `tuned.yaml` are
-rewritten, so a tune stopped by its time budget or a signal leaves what it found.
+case's matrix entry or `--set` gives are fixed, never tuned. On CUDA with `rollout.backend: vllm` every trial fits
+the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least memory at which a rollout never waits for cache)
+unless the case fixes `rollout.kv_cache_fit` or `rollout.gpu_memory_utilization`. After every trial `tuning.tsv` and
+`tuned.yaml` are rewritten, so a tune stopped by its time budget or a signal leaves what it found.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
         "forward": tuple(k for r in roles if (k := f"{r}.forward_micro_batch_size_per_gpu") not in fixed),
         "checkpointing": () if "model.gradient_checkpointing" in fixed else ("model.gradient_checkpointing",),
     }
-    vllm = on_cuda and cfg.rollout.backend in ("vllm", "auto")
+    vllm = on_cuda and cfg.rollout.backend == "vllm"
     kv_free = not fixed & {"rollout.kv_cache_fit", "rollout.gpu_memory_utilization"}
     constant = {"rollout.kv_cache_fit": True} if vllm and kv_free else {}
     plan = cfg.batch_plan()
