@@ -268,7 +268,8 @@ class _Tuner:
         verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s, "
                    f"peak {best.peak_gb:.2f} GB" if best and best.step_s is not None and best.peak_gb is not None
                    else "no geometry ran within the budget")
-        self.say(f"{name}: {len(tune.search.trials)} trials; {verdict}")
+        count = len(tune.search.trials)
+        self.say(f"{name}: {count} trial{'' if count == 1 else 's'}; {verdict}")
         return None
 
     def trial(self, tune: CaseTune, g: Geometry, left_s: float | None) -> tuple[TrialResult, str | None]:
