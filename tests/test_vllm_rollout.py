@@ -197,7 +197,7 @@ def test_log_probs_change_no_token() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from transformers import AutoConfig
-    from zbench.engine.models import resolve_model
+    from zbench.models import resolve_model
 
     from zbench.engine import vllm_rollout
     from zbench.engine.trainer import left_pad

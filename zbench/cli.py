@@ -196,6 +196,50 @@ def run(
 
 
 @app.command()
+def tune(
+    matrix: Annotated[str, typer.Argument(help="A shipped matrix name (see `zbench matrices`) or a YAML file.")],
+    set_: SetOpt = None,
+    cases: Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated.")] = None,
+    memory_budget: Annotated[float | None, typer.Option(
+        help="GB a trial's peak may reach: device-wide per GPU, or the processes' RSS on CPU (default: what the "
+             "device has)."
+    )] = None,
+    time_budget: Annotated[float | None, typer.Option(
+        help="Seconds for the whole tune; a stopped tune still writes what it found (default: no limit).")] = None,
+    steps: Annotated[int, typer.Option(help="Steps per trial: a warm-up step, then timed ones.")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of every trial.")] = 7777,
+    tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default tune_<matrix>).")] = None,
+    results_dir: Annotated[str, typer.Option(help="Where run roots are created.")] = "results",
+    runner: Annotated[str, typer.Option(help="Runner profile: local, ray, or a YAML file.")] = "local",
+    step_timeout: Annotated[float | None, typer.Option(help="Kill a trial when no step lands for this long.")
+                            ] = 1800.0,
+) -> None:
+    """Find each case's fastest batch geometry within a memory budget; writes tuning.tsv and tuned.yaml (a matrix
+    that `zbench run` takes)."""
+    from zbench.harness.launch import RunInterrupted
+    from zbench.harness.tune import TuneRequest, run_tune
+    from zbench.runroot.tuning import TUNED, TUNING
+
+    try:
+        req = TuneRequest(matrix=matrix, sets=_sets(set_), seed=seed, steps=steps, tag=tag, results_dir=results_dir,
+                          case_globs=tuple(g.strip() for g in (cases or "").split(",") if g.strip()),
+                          memory_budget_gb=memory_budget, time_budget_s=time_budget, runner=runner,
+                          step_timeout_s=step_timeout)
+        outcome = run_tune(req, ["zbench", *sys.argv[1:]])
+    except (ConfigError, ValueError) as err:
+        fail(str(err))
+    except RunInterrupted as stop:
+        err_console.print(f"interrupted: {TUNING} and {TUNED} hold what was found ({stop})")
+        raise typer.Exit(stop.exit_code) from None
+    tuned = outcome.root.path / TUNED
+    print(f"trials: {outcome.root.path / TUNING}")
+    print(f"tuned matrix: {tuned}" if tuned.is_file() else "tuned matrix: none (no case ran within the budget)")
+    if outcome.stopped:
+        err_console.print(f"stopped early: {outcome.stopped}", highlight=False)
+    raise typer.Exit(0 if all(t.chosen() for t in outcome.cases) and not outcome.stopped else 1)
+
+
+@app.command()
 def resume(
     run_root: Annotated[str, typer.Argument(help="The run root to continue.")],
     runner: Annotated[str | None, typer.Option(help="Runner profile (default: the one the run used).")] = None,

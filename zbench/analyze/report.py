@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from zbench.analyze.curves import collect_series, render_curves
+from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
 from zbench.runroot.memory_figures import ALLOCATED, DEVICE, HOST, RESERVED, MemoryFigure, leading
@@ -41,7 +42,7 @@ class Report:
     warnings: list[str]
 
 
-REPORT_FILES = ("report.md", "report.html", "curves.png", "phase_times.png")
+REPORT_FILES = ("report.md", "report.html", "curves.png", "phase_times.png", "frontier.png")
 
 
 def environment_lines(manifest: dict) -> list[str]:
@@ -276,6 +277,12 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
           "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "curves.png"]
+    tuning = tuning_frontier(run.path, run.manifest)  # a tune's run root, or a run of its tuned.yaml
+    if tuning is not None:
+        atomic_write_bytes(out / "frontier.png", tuning.png)
+        written.append(out / "frontier.png")
+        md += ["", "## Tuning: what memory buys", "", tuning.note, "", "![frontier](frontier.png)", "",
+               _md_table(tuning.table)]
     atomic_write_bytes(out / "curves.png", curves_png)
     if phase_png:
         atomic_write_bytes(out / "phase_times.png", phase_png)
@@ -294,6 +301,8 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}"
             + (f"<p>{html.escape(speed_note)}</p>" if speed_note else "")
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
+            + (f"<h2>Tuning: what memory buys</h2><p>{html.escape(tuning.note)}</p>{img(tuning.png, 'frontier')}"
+               f"{_html_table(tuning.table)}" if tuning is not None else "")
             + "</body></html>")
     atomic_write_text(html_path, page)
     return Report(md_path, html_path, [md_path, html_path, *written], run.warnings + warnings + floor_warnings)

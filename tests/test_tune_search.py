@@ -1,0 +1,218 @@
+"""The tune's search on hand-made trial results: what it tries, in which order, and what it prunes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from zbench.harness.tune import out_of_time
+from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
+
+
+def space(budget: float = 100.0, predict: Callable[[Geometry], float] = lambda g: 1.0, start: int = 2,
+          micros: tuple[int, ...] = (1, 2, 4, 8, 16), forwards: tuple[int, ...] = (),
+          checkpointing: tuple[bool, ...] = (False, True), max_trials: int = 10) -> Space:
+    return Space(train_micros=micros, forward_micros=forwards, checkpointing=checkpointing,
+                 start=Geometry(start, 0, False), budget_gb=budget, predict_gb=predict, max_trials=max_trials)
+
+
+def drive(s: Space, world: Callable[[Geometry], TrialResult]) -> Search:
+    """Run the search against a table of outcomes, as the tuner runs it against real trials."""
+    search = Search(s)
+    plan = search.plan()
+    g = next(plan, None)
+    while g is not None:
+        try:
+            g = plan.send(world(g))
+        except StopIteration:
+            g = None
+    return search
+
+
+def timed(steps: dict[int, float], peak: Callable[[Geometry], float] = lambda g: 1.0, forward_s: float = 0.0
+          ) -> Callable[[Geometry], TrialResult]:
+    return lambda g: TrialResult(g, OK, steps[g.train_micro], peak(g), forward_s)
+
+
+def tried(search: Search) -> list[tuple[int, int, bool]]:
+    return [(t.geometry.train_micro, t.geometry.forward_micro, t.geometry.checkpointing) for t in search.trials]
+
+
+def test_grows_while_faster_and_stops_at_the_first_slower_step() -> None:
+    search = drive(space(start=2), timed({2: 1.0, 4: 0.8, 8: 0.7, 16: 0.75}))
+    assert tried(search) == [(2, 0, False), (4, 0, False), (8, 0, False), (16, 0, False)]
+    assert search.best().geometry == Geometry(8, 0, False)
+    assert any("speed, not memory" in n for n in search.notes)  # checkpointing cannot win: pruned
+
+
+def test_a_step_within_the_noise_does_not_count_as_faster() -> None:
+    search = drive(space(start=2), timed({2: 1.0, 4: 0.99, 8: 0.5}))  # 1 % is within the 3 % tolerance
+    assert tried(search)[:2] == [(2, 0, False), (4, 0, False)]
+    assert (8, 0, False) not in tried(search)
+
+
+def test_shrinks_when_growing_did_not_help() -> None:
+    search = drive(space(start=4), timed({4: 1.0, 8: 1.1, 2: 0.9, 1: 0.95}))
+    assert tried(search) == [(4, 0, False), (8, 0, False), (2, 0, False), (1, 0, False)]
+    assert search.best().geometry.train_micro == 2
+
+
+def test_a_micro_batch_predicted_over_budget_is_not_tried_and_checkpointing_buys_it() -> None:
+    # 1 GB per sequence without checkpointing, a quarter of that with it; the budget holds 10
+    def predict(g: Geometry) -> float:
+        return g.train_micro * (0.25 if g.checkpointing else 1.0)
+
+    steps = {(2, False): 1.0, (4, False): 0.8, (8, False): 0.7, (16, True): 0.6}
+    search = drive(space(budget=10, predict=predict),
+                   lambda g: TrialResult(g, OK, steps[(g.train_micro, g.checkpointing)], predict(g)))
+    assert tried(search) == [(2, 0, False), (4, 0, False), (8, 0, False), (16, 0, True)]
+    assert any(n.startswith("micro 16: not tried, predicted 16.00 GB > budget 10.00 GB") for n in search.notes)
+    assert search.best().geometry == Geometry(16, 0, True)
+
+
+def test_the_measured_offset_corrects_the_prediction() -> None:
+    # the model says 1 GB per sequence; the trials measure 5 GB more (runtime, allocator): 8 then cannot fit in 10
+    search = drive(space(budget=10, predict=lambda g: float(g.train_micro), checkpointing=(False,)),
+                   timed({2: 1.0, 4: 0.8}, peak=lambda g: g.train_micro + 5.0))
+    assert tried(search) == [(2, 0, False), (4, 0, False)]
+    assert search.offset_gb() == 5.0
+    assert any("micro 8: not tried, predicted 13.00 GB" in n for n in search.notes)
+
+
+def test_an_over_budget_start_shrinks_until_one_fits() -> None:
+    def world(g: Geometry) -> TrialResult:
+        peak = 2.0 * g.train_micro
+        return TrialResult(g, OVER_BUDGET if peak > 5 else OK, 1.0 / g.train_micro, peak)
+
+    search = drive(space(budget=5, start=8, predict=lambda g: 2.0 * g.train_micro, checkpointing=(False,)), world)
+    # 8 is predicted over budget (16 GB) so the start is the largest predicted to fit: 2
+    assert tried(search)[0] == (2, 0, False)
+    assert search.best().geometry.train_micro == 2
+
+
+def test_no_smaller_micro_batch_is_tried_when_the_model_says_none_can_save_enough() -> None:
+    # measured 50 GB against a budget of 10; the model says shrinking saves a few hundredths of a GB
+    search = drive(space(budget=10, start=4, predict=lambda g: 0.01 * g.train_micro, checkpointing=(False,)),
+                   lambda g: TrialResult(g, OVER_BUDGET, 1.0, 50.0))
+    assert tried(search) == [(4, 0, False)]
+    assert any("no smaller micro-batch tried" in n for n in search.notes)
+    assert search.best() is None
+
+
+def test_an_oom_without_a_memory_figure_shrinks_one_step_at_a_time() -> None:
+    def world(g: Geometry) -> TrialResult:
+        return TrialResult(g, "oom") if g.train_micro > 1 else TrialResult(g, OK, 2.0, 3.0)
+
+    search = drive(space(start=4, checkpointing=(False,)), world)
+    assert tried(search) == [(4, 0, False), (2, 0, False), (1, 0, False)]
+    assert search.best().geometry.train_micro == 1
+
+
+def test_a_start_that_fails_for_another_reason_ends_the_search() -> None:
+    search = drive(space(start=4), lambda g: TrialResult(g, "failed"))
+    assert tried(search) == [(4, 0, False)]
+    assert any("for another reason than memory" in n for n in search.notes)
+
+
+def test_nothing_predicted_to_fit_is_measured_once_at_the_most_frugal_geometry() -> None:
+    search = drive(space(budget=1, predict=lambda g: 100.0), lambda g: TrialResult(g, OVER_BUDGET, 1.0, 100.0))
+    assert tried(search) == [(1, 0, True)]
+    assert "no geometry is predicted to fit" in search.notes[0]
+
+
+def test_forward_micro_batch_grows_when_the_gradient_free_passes_are_worth_it() -> None:
+    steps = {(2, 0): 1.0, (4, 0): 1.2, (1, 0): 1.1, (2, 4): 0.8, (2, 8): 0.79}
+
+    def world(g: Geometry) -> TrialResult:
+        return TrialResult(g, OK, steps[(g.train_micro, g.forward_micro)], 1.0 + 0.1 * g.forward_micro, 0.4)
+
+    search = drive(space(start=2, micros=(1, 2, 4), forwards=(1, 2, 4, 8)), world)
+    # 8 is not 3 % faster than 4: the growth stops there, and of two steps the noise cannot tell apart the one that
+    # needs less memory is chosen
+    assert tried(search) == [(2, 0, False), (4, 0, False), (1, 0, False), (2, 4, False), (2, 8, False)]
+    assert search.best().geometry == Geometry(2, 4, False)
+
+
+def test_forward_micro_batch_is_pruned_when_its_passes_take_too_little_of_the_step() -> None:
+    search = drive(space(start=2, micros=(1, 2), forwards=(1, 2, 4, 8)), timed({2: 1.0, 1: 1.5}, forward_s=0.01))
+    assert all(t.geometry.forward_micro == 0 for t in search.trials)
+    assert any("gradient-free passes take 0.010 s" in n for n in search.notes)
+
+
+def test_fixed_knobs_are_never_varied() -> None:
+    search = drive(space(start=4, micros=(4,), checkpointing=(True,)), timed({4: 1.0}))
+    assert tried(search) == [(4, 0, True)]
+
+
+def test_the_number_of_trials_is_capped() -> None:
+    search = drive(space(start=1, micros=tuple(range(1, 30)), max_trials=3),
+                   lambda g: TrialResult(g, OK, 1.0 / g.train_micro, 1.0))
+    assert len(search.trials) == 3
+    assert any("stopped at 3 trials" in n for n in search.notes)
+
+
+def test_the_time_budget_stops_before_a_trial_that_would_not_finish() -> None:
+    assert out_of_time(None, None, [100.0]) is None
+    assert out_of_time(600, 500, []) is None  # the first trial: nothing to go by
+    assert out_of_time(600, 500, [80.0, 120.0]) is None
+    assert "100 s left, the longest trial so far took 120 s" in (out_of_time(600, 100, [80.0, 120.0]) or "")
+    assert out_of_time(600, -3, []) is not None
+
+
+def test_divisors() -> None:
+    assert divisors(12) == (1, 2, 3, 4, 6, 12)
+
+
+def test_the_memory_model_of_a_geometry() -> None:
+    from zbench.analyze.activations import geometry_memory
+    from zbench.analyze.memory import estimate_case
+    from zbench.config import RunConfig, from_dict
+    from zbench.engine.vllm_rollout import fitted_kv_cache_bytes
+
+    def cfg(**sections: dict) -> RunConfig:
+        return from_dict({"model": {"path": "qwen3-0.6b"}, "trainer": {"world_size": 2, "train_batch_size": 8},
+                          "algorithm": "grpo", "rollout": {"n": 4, "max_new_tokens": 256},
+                          "actor": {"ppo_mini_batch_size": 8, **sections.get("actor", {})},
+                          **{k: v for k, v in sections.items() if k != "actor"}})
+
+    plain = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 4}), on_cuda=True)
+    double = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 8}), on_cuda=True)
+    ckpt = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 8}, model={"path": "qwen3-0.6b",
+                                                                           "gradient_checkpointing": True}),
+                           on_cuda=True)
+    assert plain.states == estimate_case(cfg(), on_cuda=True).gpu_bytes  # the ZeRO model's figure, unchanged
+    assert double.training == 2 * plain.training  # linear in the micro-batch
+    assert ckpt.training < double.training and ckpt.states == double.states
+    wide = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 4, "forward_micro_batch_size_per_gpu": 16}),
+                           on_cuda=True)
+    assert wide.forward == 4 * plain.forward and wide.peak_bytes > plain.peak_bytes
+    fitted = geometry_memory(cfg(rollout={"n": 4, "max_new_tokens": 256, "backend": "vllm", "kv_cache_fit": True}),
+                             on_cuda=True)
+    shape = type("Shape", (), {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                               "head_dim": 128, "hidden_size": 1024})
+    assert fitted.kv_cache == fitted_kv_cache_bytes(shape, 16, 256 + 256, 1)  # 8 prompts x 4 samples / 2 ranks
+    share = geometry_memory(cfg(rollout={"n": 4, "backend": "vllm"}), on_cuda=True, device_bytes=100 * 2**30)
+    assert share.kv_cache == int(0.35 * 100 * 2**30)
+    assert geometry_memory(cfg(), on_cuda=False).kv_cache == 0  # no vLLM on CPU
+
+
+def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
+    from zbench.harness.matrix import expand, load_matrix
+    from zbench.harness.tune import case_space
+
+    six = expand(load_matrix("six-case"), case_globs=["zero2_no_offload"])
+    free = case_space(six[0], budget_gb=10.0, on_cuda=False, device_bytes=0)
+    assert free.keys == {"train": ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"),
+                         "forward": ("actor.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
+                         "checkpointing": ("model.gradient_checkpointing",)}
+    # 8 prompts x 1 sample over 2 ranks: micro-batches of 1, 2 or 4 divide a rank's mini-batch of 4 sequences
+    assert free.search.space.train_micros == (1, 2, 4) and free.search.space.checkpointing == (False, True)
+    assert free.overrides(Geometry(2, 4, True)) == {
+        "actor.micro_batch_size_per_gpu": 2, "critic.micro_batch_size_per_gpu": 2,
+        "actor.forward_micro_batch_size_per_gpu": 4, "critic.forward_micro_batch_size_per_gpu": 4,
+        "model.gradient_checkpointing": True}
+
+    ac = expand(load_matrix("ddp-vs-zero"), case_globs=["zero2_ac"], sets=[("actor.micro_batch_size_per_gpu", 2)])
+    fixed = case_space(ac[0], budget_gb=10.0, on_cuda=False, device_bytes=0)
+    assert fixed.keys["train"] == ("critic.micro_batch_size_per_gpu",)  # the actor's is the user's
+    assert fixed.keys["checkpointing"] == () and fixed.search.space.checkpointing == (True,)  # the case's own axis
+    assert "actor.micro_batch_size_per_gpu" not in fixed.overrides(Geometry(1, 0, True))

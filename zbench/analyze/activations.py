@@ -1,0 +1,120 @@
+"""Predicted memory of a case's batch geometry: the activation, logit and KV-cache terms that `memory.py`'s ZeRO
+model-state figures leave out, and the two together as one rank's peak.
+
+The terms are upper bounds at full length (every sequence `data.max_prompt_length + rollout.max_new_tokens` tokens):
+
+- a training micro-batch of b sequences keeps, per decoder layer and token, its inputs to the norms, the q/k/v/o
+  projections and the SwiGLU MLP (about 4h + 4q + 2kv + 4i elements at training precision); with activation
+  checkpointing only each layer's input (h) stays, plus one layer recomputed at a time;
+- the actor's head makes fp32 logits and their log-softmax over the vocabulary (2 x 4 bytes per token and entry),
+  in the training passes and in the gradient-free ones (log-probs of the actor and reference) alike;
+- vLLM's KV cache: fitted to one rollout (`rollout.kv_cache_fit`, as `zbench.engine.vllm_rollout` sizes it), or the
+  share `rollout.gpu_memory_utilization` of the device.
+
+What no formula holds (the CUDA context, allocator slack, the runtime's own buffers, a CPU process's interpreter
+and libraries) is measured once per case by the tuner and added as an offset (`zbench.harness.tune`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
+from zbench.analyze.model_size import model_config
+from zbench.config import RunConfig
+
+LOGIT_BYTES = 2 * 4  # fp32 logits and their log-softmax, per token and vocabulary entry
+
+
+@dataclass(frozen=True, slots=True)
+class GeometryMemory:
+    """One rank's predicted bytes at a batch geometry, by part."""
+
+    states: int  # ZeRO model states, reference and rollout replica (zbench.analyze.memory.estimate_case)
+    training: int  # the largest training micro-batch's activations and logits
+    forward: int  # the largest gradient-free micro-batch's logits and one layer's working set
+    kv_cache: int  # vLLM's KV cache on this rank
+
+    @property
+    def peak_bytes(self) -> int:
+        """States plus the largest transient term (the phases run one after another) plus the KV cache."""
+        return self.states + max(self.training, self.forward) + self.kv_cache
+
+    @property
+    def peak_gb(self) -> float:
+        """`peak_bytes` in GiB, as the engine reports memory."""
+        return self.peak_bytes / GIB
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The dimensions of a decoder that size its activations and KV cache, read from the model's own config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+def model_dims(spec: str) -> ModelDims:
+    """`ModelDims` of `model.path` (an embedded, packaged or local model), from its transformers config."""
+    c = model_config(spec)
+    heads = int(c.num_attention_heads)
+    return ModelDims(vocab_size=int(c.vocab_size), hidden_size=int(c.hidden_size), num_layers=int(c.num_hidden_layers),
+                     num_heads=heads, num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+                     head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+                     intermediate_size=int(c.intermediate_size))
+
+
+def _layer_elements(d: ModelDims) -> int:
+    """Activation elements one decoder layer keeps per token for its backward."""
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    return 4 * d.hidden_size + 4 * q + 2 * kv + 4 * d.intermediate_size
+
+
+def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: ModelDims | None = None
+                    ) -> GeometryMemory:
+    """Predicted per-rank memory of `cfg` at its batch geometry; `device_bytes` (a GPU's total) sizes vLLM's share."""
+    d = dims or model_dims(cfg.model.path)
+    precision = cfg.model.precision(on_cuda)
+    p = BYTES_PER_PARAM[precision][0]
+    est = estimate_case(cfg, on_cuda=on_cuda)
+    states = est.gpu_bytes if on_cuda else est.gpu_bytes + est.cpu_bytes
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    layer = _layer_elements(d) * p
+    logits = seq * d.vocab_size * LOGIT_BYTES
+
+    def train(b: int, with_logits: bool) -> int:
+        kept = d.num_layers * seq * b * (d.hidden_size * p if cfg.model.gradient_checkpointing else layer)
+        working = seq * b * layer if cfg.model.gradient_checkpointing else 0
+        return kept + working + (b * logits if with_logits else 0)
+
+    training = train(cfg.actor.micro_batch_size_per_gpu, True)
+    forward_actor = cfg.actor.forward_micro_batch_size_per_gpu or cfg.actor.micro_batch_size_per_gpu
+    forward = forward_actor * (seq * layer + logits)
+    if cfg.needs_critic:
+        training = max(training, train(cfg.critic.micro_batch_size_per_gpu, False))
+        forward_critic = cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.micro_batch_size_per_gpu
+        forward = max(forward, forward_critic * seq * layer)
+    kv = 0
+    backend_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_cuda)
+    if on_cuda and backend_vllm:
+        r = cfg.rollout
+        if r.kv_cache_fit:  # sized as the engine sizes it, from the dims a Hugging Face config would give
+            from zbench.engine.vllm_rollout import fitted_kv_cache_bytes
+
+            shape = SimpleNamespace(num_hidden_layers=d.num_layers, num_attention_heads=d.num_heads,
+                                    num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
+                                    hidden_size=d.hidden_size)
+            sequences = cfg.batch_plan().sequences_per_rank * r.tensor_parallel_size
+            kv = fitted_kv_cache_bytes(shape, sequences, seq, r.tensor_parallel_size)
+        else:
+            kv = int(r.gpu_memory_utilization * device_bytes)
+    if not on_cuda:  # every rank's states and passes live in the one host's memory
+        ranks = cfg.trainer.world_size
+        return GeometryMemory(states=states * ranks, training=training * ranks, forward=forward * ranks, kv_cache=0)
+    return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv)

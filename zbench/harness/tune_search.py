@@ -1,0 +1,253 @@
+"""The search `zbench tune` runs for one case: which batch geometry to try next, given the trials so far.
+
+Pure logic on trial results (no process is started here), in the order an engineer would go:
+
+1. the training micro-batch, starting from the case's own (or the largest the memory model says fits): grow while
+   it fits and the step gets faster; when growing did not help, shrink while that helps; when the start was over
+   budget, shrink until it fits, unless the memory model says no smaller micro-batch can save enough;
+2. activation checkpointing, only where memory stopped the growth (it buys memory with recomputation, so it cannot
+   win where speed stopped it): larger micro-batches with it, while faster;
+3. the forward micro-batch of the gradient-free passes, only when those passes take a share of the step worth
+   winning: grow from the training micro-batch while faster.
+
+Predictions are the memory model's (`zbench.analyze.activations`) plus an offset measured on the case's trials:
+what no formula holds (runtime, allocator, interpreter) is the same at every geometry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field, replace
+
+OK, OVER_BUDGET = "ok", "over_budget"
+MEMORY_STATUSES = (OVER_BUDGET, "oom")  # the trial ran out of the budget (or of the device)
+TOLERANCE = 0.03  # a step must be this much faster to count as faster: the noise of a few timed steps
+MAX_TRIALS = 10  # per case: a search that has not settled by then is stopped, with a note
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The batch knobs of one trial."""
+
+    train_micro: int  # sequences per forward/backward on one rank (actor, and critic with PPO)
+    forward_micro: int  # sequences per gradient-free forward on one rank; 0: as the training micro-batch
+    checkpointing: bool  # activation checkpointing
+
+    def label(self) -> str:
+        """Short text for logs and plots: `micro 4, fwd 8, ckpt`."""
+        fwd = f", fwd {self.forward_micro}" if self.forward_micro else ""
+        return f"micro {self.train_micro}{fwd}{', ckpt' if self.checkpointing else ''}"
+
+
+@dataclass(frozen=True, slots=True)
+class TrialResult:
+    """What a trial measured (`step_s`: steady mean of `timing_s/step`; `forward_s`: its gradient-free passes)."""
+
+    geometry: Geometry
+    status: str  # ok, over_budget, oom, failed, timeout, stopped
+    step_s: float | None = None
+    peak_gb: float | None = None
+    forward_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """What may be tried for one case, and the memory model's view of it."""
+
+    train_micros: tuple[int, ...]  # ascending; one value when the user fixed it
+    forward_micros: tuple[int, ...]  # ascending candidates above nothing yet; () when fixed or none divides
+    checkpointing: tuple[bool, ...]  # (False, True), or the one value the user fixed
+    start: Geometry
+    budget_gb: float
+    predict_gb: Callable[[Geometry], float]  # the memory model's per-rank (CPU: per-host) peak
+    tolerance: float = TOLERANCE
+    max_trials: int = MAX_TRIALS
+
+
+@dataclass
+class Search:
+    """One case's search: `plan()` yields geometries and is sent each trial's result; `notes` say what was pruned."""
+
+    space: Space
+    trials: list[TrialResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # ---------------------------------------------------------------- what the trials say
+
+    def offset_gb(self) -> float:
+        """Measured minus predicted peak, the largest over the trials that measured one (0 before any)."""
+        gaps = [t.peak_gb - self.space.predict_gb(t.geometry) for t in self.trials if t.peak_gb is not None]
+        return max(gaps, default=0.0)
+
+    def predicted_gb(self, g: Geometry) -> float:
+        """The memory model's peak for `g`, corrected by what the trials measured."""
+        return self.space.predict_gb(g) + self.offset_gb()
+
+    def fits(self, g: Geometry) -> bool:
+        """Whether `g` is predicted to stay within the budget."""
+        return self.predicted_gb(g) <= self.space.budget_gb
+
+    def best(self) -> TrialResult | None:
+        """The fastest trial within the budget; of those within the tolerance of the fastest (which a few timed
+        steps cannot tell apart), the one that needs the least memory."""
+        ok = [t for t in self.trials if t.status == OK and t.step_s is not None]
+        if not ok:
+            return None
+        fastest = min(t.step_s or 0.0 for t in ok)
+        close = [t for t in ok if (t.step_s or 0.0) <= fastest * (1 + self.space.tolerance)]
+        return min(close, key=lambda t: (t.peak_gb if t.peak_gb is not None else float("inf"), t.step_s))
+
+    def faster(self, r: TrialResult, than: TrialResult | None) -> bool:
+        """Whether `r` ran within budget and beat `than` by more than the tolerance."""
+        if r.status != OK or r.step_s is None:
+            return False
+        return than is None or than.step_s is None or r.step_s < than.step_s * (1 - self.space.tolerance)
+
+    # ---------------------------------------------------------------- the plan
+
+    def _trial(self, g: Geometry) -> Generator[Geometry, TrialResult, TrialResult | None]:
+        if any(t.geometry == g for t in self.trials):
+            return next(t for t in self.trials if t.geometry == g)
+        if len(self.trials) >= self.space.max_trials:
+            self.notes.append(f"stopped at {self.space.max_trials} trials (the most per case)")
+            return None
+        result = yield g
+        self.trials.append(result)
+        return result
+
+    def _prune(self, g: Geometry) -> bool:
+        """Note and skip `g` when it is predicted over budget."""
+        if self.fits(g):
+            return False
+        self.notes.append(f"{g.label()}: not tried, predicted {self.predicted_gb(g):.2f} GB > budget "
+                          f"{self.space.budget_gb:.2f} GB")
+        return True
+
+    def plan(self) -> Generator[Geometry, TrialResult, None]:
+        """The geometries to try, one at a time; send each one's result back."""
+        s = self.space
+        micros = s.train_micros
+        ckpt0 = False if False in s.checkpointing else s.checkpointing[0]
+        fwd0 = s.start.forward_micro if not s.forward_micros else 0
+
+        def at(m: int, ckpt: bool = ckpt0) -> Geometry:
+            return Geometry(m, fwd0, ckpt)
+
+        fitting = [m for m in micros if self.fits(at(m))]
+        if not fitting:
+            frugal = at(micros[0], ckpt=True in s.checkpointing)
+            self.notes.append(f"no geometry is predicted to fit: the smallest, {frugal.label()}, needs "
+                              f"{self.predicted_gb(frugal):.2f} GB > budget {s.budget_gb:.2f} GB; tried once to "
+                              "measure it")
+            yield from self._trial(frugal)
+            return
+        start = s.start.train_micro if s.start.train_micro in fitting else max(fitting)
+        first = yield from self._trial(at(start))
+        if first is None:
+            return
+        stopped_by = "memory" if first.status in MEMORY_STATUSES else "speed"
+        if first.status == OK:
+            stopped_by = yield from self._grow(micros[micros.index(start) + 1:], at)
+            if self.best() is first:
+                yield from self._improve_down(list(reversed(micros[:micros.index(start)])), at)
+        elif stopped_by == "memory":
+            yield from self._shrink(list(reversed(micros[:micros.index(start)])), at, first)
+        else:
+            self.notes.append(f"{first.geometry.label()}: {first.status}; the search stops at a geometry that does "
+                              "not run for another reason than memory")
+            return
+        yield from self._checkpointing(stopped_by)
+        yield from self._forward()
+
+    def _grow(self, larger: list[int], at: Callable[[int], Geometry]) -> Generator[Geometry, TrialResult, str]:
+        """Larger training micro-batches while they fit and are faster; returns what stopped the growth: "memory",
+        "speed" (not faster, or not run), or "end" (no larger micro-batch divides the mini-batch)."""
+        for m in larger:
+            if self._prune(at(m)):
+                return "memory"
+            best = self.best()
+            r = yield from self._trial(at(m))
+            if r is None:
+                return "speed"
+            if r.status in MEMORY_STATUSES:
+                return "memory"
+            if not self.faster(r, best):
+                return "speed"
+        return "end"
+
+    def _improve_down(self, smaller: list[int], at: Callable[[int], Geometry]
+                      ) -> Generator[Geometry, TrialResult, None]:
+        """Smaller training micro-batches while they are faster (a larger one was not)."""
+        for m in smaller:
+            best = self.best()
+            r = yield from self._trial(at(m))
+            if r is None or not self.faster(r, best):
+                return
+
+    def _shrink(self, smaller: list[int], at: Callable[[int], Geometry], over: TrialResult
+                ) -> Generator[Geometry, TrialResult, None]:
+        """Smaller training micro-batches until one fits, unless none can: the measured peak less what the memory
+        model says the smaller micro-batch saves is still over budget."""
+        for m in smaller:
+            g = at(m)
+            if over.peak_gb is not None:
+                saving = self.space.predict_gb(over.geometry) - self.space.predict_gb(g)
+                if over.peak_gb - saving > self.space.budget_gb:
+                    self.notes.append(f"{over.geometry.label()} measured {over.peak_gb:.2f} GB; {g.label()} saves "
+                                      f"{saving:.2f} GB by the memory model, still over budget "
+                                      f"{self.space.budget_gb:.2f} GB: no smaller micro-batch tried")
+                    return
+            r = yield from self._trial(g)
+            if r is None or r.status == OK:
+                return
+            if r.status not in MEMORY_STATUSES:
+                return
+            over = r
+
+    def _checkpointing(self, stopped_by: str) -> Generator[Geometry, TrialResult, None]:
+        """Activation checkpointing at larger micro-batches, where memory stopped the growth."""
+        if True not in self.space.checkpointing or False not in self.space.checkpointing:
+            return
+        best = self.best()
+        if stopped_by != "memory" and best is not None:
+            why = ("no larger micro-batch divides the mini-batch" if stopped_by == "end"
+                   else "speed, not memory, stopped the micro-batch's growth")
+            self.notes.append(f"checkpointing: not tried; it buys memory with recomputation, and {why}")
+            return
+        floor = best.geometry.train_micro if best else 0
+        for m in [m for m in self.space.train_micros if m > floor or best is None]:
+            g = Geometry(m, best.geometry.forward_micro if best else self.space.start.forward_micro, True)
+            if self._prune(g):
+                return
+            r = yield from self._trial(g)
+            if r is None or not self.faster(r, best):
+                return
+            best = r
+
+    def _forward(self) -> Generator[Geometry, TrialResult, None]:
+        """Larger forward micro-batches for the gradient-free passes, when they take a share worth winning."""
+        best = self.best()
+        if best is None or not self.space.forward_micros:
+            return
+        larger = [f for f in self.space.forward_micros if f > best.geometry.train_micro]
+        if not larger:
+            self.notes.append(f"forward micro-batch: none larger than the training micro-batch "
+                              f"({best.geometry.train_micro}) divides a rank's sequences")
+            return
+        if best.forward_s is not None and best.step_s and best.forward_s < self.space.tolerance * best.step_s:
+            self.notes.append(f"forward micro-batch: not tried; the gradient-free passes take {best.forward_s:.3f} s "
+                              f"of a {best.step_s:.3f} s step, less than tuning can tell from noise")
+            return
+        for f in larger:
+            g = replace(best.geometry, forward_micro=f)
+            if self._prune(g):
+                return
+            r = yield from self._trial(g)
+            if r is None or not self.faster(r, best):
+                return
+            best = r
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of `n`, ascending."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
