@@ -143,20 +143,24 @@ def test_tensor_parallel_engine_arguments_and_config() -> None:
     assert tp2["distributed_executor_backend"] == "external_launcher" and tp2["disable_custom_all_reduce"] is True
     assert tp2["tensor_parallel_size"] == 2
     four = {"trainer": {"world_size": 4}, "actor": {"micro_batch_size_per_gpu": 2},
-            "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"tensor_parallel_size": 2},
+            "critic": {"micro_batch_size_per_gpu": 2}, "rollout": {"backend": "vllm", "tensor_parallel_size": 2},
             "model": {"path": "qwen3-0.6b"}}
     assert from_dict(four).rollout.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 2: vLLM 0.26 cannot shard the 64-wide tiny "
                                           r"model .*use 1, or a real model shape"):
         from_dict({**four, "model": {"path": "tiny"}})
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: 3 does not divide trainer.world_size=2"):
-        from_dict({"trainer": {"world_size": 2}, "rollout": {"tensor_parallel_size": 3}})
+        from_dict({"trainer": {"world_size": 2}, "rollout": {"backend": "vllm", "tensor_parallel_size": 3}})
 
 
 def test_engine_refuses_tensor_parallel_hf(tmp_path: Path) -> None:
+    """Asked of the hf backend, tensor parallelism is a config error; asked of `auto` where auto picks hf (no CUDA,
+    no vLLM), the engine refuses it before anything starts."""
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size: shards a vLLM engine; the hf backend"):
+        from_dict({"trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2}})
     case = tmp_path / "case"
     case.mkdir()
-    cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "hf", "tensor_parallel_size": 2},
+    cfg = {"name": "v", "trainer": {"world_size": 2}, "rollout": {"backend": "auto", "tensor_parallel_size": 2},
            "model": {"path": "qwen3-0.6b"}}
     (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
     res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True, timeout=300)
