@@ -286,6 +286,9 @@ class RewardConfig:
         _choice("method", self.method, ("strict", "flexible"))
 
 
+FAULT_KINDS = ("crash", "hang", "oom", "worker_exit", "node_loss", "slow")  # trainer.fault (zbench.engine.faults)
+
+
 @dataclass(**_FROZEN)
 class TrainerConfig:
     """Placement, batch and bookkeeping."""
@@ -297,6 +300,14 @@ class TrainerConfig:
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
+    fault: str = ""  # KIND@STEP injects a fault on the first attempt (crash, hang, oom, worker_exit, node_loss, slow); "" none
+
+    def fault_plan(self) -> tuple[str, int] | None:
+        """``trainer.fault`` as (kind, step), or None when no fault is asked for."""
+        if not self.fault:
+            return None
+        kind, _, step = self.fault.partition("@")
+        return kind, int(step)
 
     def uses_cuda(self) -> bool:
         """Whether the case runs on CUDA: asked (``cuda``; the engine refuses to start where there is none), or
@@ -315,6 +326,11 @@ class TrainerConfig:
         _positive("torch_threads", self.torch_threads)
         _positive("log_samples", self.log_samples, allow_zero=True)
         _positive("profile_step", self.profile_step, allow_zero=True)
+        if self.fault:
+            kind, at, step = str(self.fault).partition("@")
+            if kind not in FAULT_KINDS or not at or not step.isdigit() or int(step) < 1:
+                raise ConfigError("fault", f"{self.fault!r} is not KIND@STEP with KIND one of "
+                                           f"{', '.join(FAULT_KINDS)} and STEP >= 1 (e.g. crash@3), or '' for none")
 
 
 ALGORITHMS = ("ppo", "grpo")
@@ -520,12 +536,28 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError("", f"malformed YAML: {where}{problem}", str(path)) from None
 
 
-def load_case_config(path: str | Path) -> RunConfig:
-    """Read `<case>/config.yaml` (or any file in that form)."""
+def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
+    """Read `<case>/config.yaml` (or any file in that form). With `complete`, every key must be in the file, as
+    zbench writes it: a truncated file is an error naming the keys it lacks, never filled with defaults."""
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
+    if complete:
+        missing = [k for k in dotted_keys() if not _has_dotted(data, k)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ConfigError("", f"not a complete case config (truncated, or written by another zbench version): "
+                                  f"it lacks {shown}", str(path))
     return from_dict(data, str(path))
+
+
+def _has_dotted(data: Mapping[str, Any], key: str) -> bool:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def dotted_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:

@@ -29,8 +29,10 @@ from zbench.engine.batches import (
     sequence_batch,
     shard,
 )
+from zbench.engine.faults import maybe_inject
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
+from zbench.procs import watch_supervisor
 from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
@@ -91,7 +93,7 @@ class Trainer:
 
     def __init__(self, case_dir: Path):
         self.case_dir = case_dir
-        self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG)
+        self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG, complete=True)
         want = self.cfg.trainer.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
@@ -328,6 +330,7 @@ class Trainer:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             for step in range(start_step + 1, cfg.steps + 1):
+                maybe_inject(self, step)  # trainer.fault, first attempt only
                 self.records.step(step, self.step(step))
                 if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
                     self.save(step)
@@ -366,6 +369,7 @@ def main(case_dir: str) -> int:
     """Train the case in `case_dir`; exit codes: 0 done, 1 failure, 2 config error."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     enable_stack_dumps(case_dir)  # a timeout asks for this process's stacks before killing it
+    watch_supervisor(Path(case_dir))  # the harness gone (killed, hung up): the case goes with it
     try:
         trainer = Trainer(Path(case_dir))
         trainer.run()

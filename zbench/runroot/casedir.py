@@ -121,6 +121,57 @@ def read_result(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return read_json(Path(case_dir) / RESULT)
 
 
+def _load_checked(path: Path, required: Mapping[str, tuple[type, ...]]) -> dict[str, Any] | None:
+    """A JSON object from ``path`` holding ``required`` keys of the given types; None when the file is absent,
+    RunRootError naming the file when it is there but is not that (truncated, foreign)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunRootError(f"{path}: cannot read it ({err})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RunRootError(f"{path}: not valid JSON ({err}); truncated or not written "
+                           f"by zbench: move it aside to run the case again") from None
+    if not isinstance(obj, dict):
+        raise RunRootError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    for key, types in required.items():
+        value = obj.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise RunRootError(f"{path}: {key!r} is {value!r}, expected {' or '.join(t.__name__ for t in types)}; "
+                               f"not a zbench {path.name}: move it aside to run the case again")
+    return obj
+
+
+def load_status(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<case_dir>/status.json`` checked as resume needs it: None when absent, RunRootError when unreadable or
+    not a status zbench wrote (status one of STATUSES, attempt a positive integer)."""
+    path = Path(case_dir) / STATUS
+    status = _load_checked(path, {"status": (str,), "attempt": (int,)})
+    if status is not None and (status["status"] not in STATUSES or status["attempt"] < 1):
+        raise RunRootError(f"{path}: status {status['status']!r}, attempt {status['attempt']!r}: expected a status "
+                           f"among {', '.join(STATUSES)} and an attempt >= 1")
+    return status
+
+
+def load_result(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<case_dir>/result.json`` checked as resume needs it: None when absent, RunRootError when unreadable or
+    lacking the integer ``steps_completed`` and ``steps_target`` every engine result holds."""
+    return _load_checked(Path(case_dir) / RESULT, {"steps_completed": (int,), "steps_target": (int,)})
+
+
+def archived_attempts(case_dir: str | os.PathLike[str]) -> int:
+    """The highest attempt number whose files an attempt set aside (``metrics.attemptN.jsonl``), 0 if none."""
+    found = [0]
+    for p in Path(case_dir).glob("*.attempt*.*"):
+        m = re.fullmatch(r"(?:metrics|result)\.attempt(\d+)\.(?:jsonl|json)", p.name)
+        if m:
+            found.append(int(m.group(1)))
+    return max(found)
+
+
 class MetricsFile(NamedTuple):
     """Records of a metrics.jsonl file, how many lines were skipped, and whether the last line was torn."""
 

@@ -166,7 +166,7 @@ class RunRoot:
             if not path.is_file():
                 raise RunRootError(f"{path} is missing: this case cannot be resumed (rerun the matrix instead)")
             try:
-                out.append((name, load_case_config(path)))
+                out.append((name, load_case_config(path, complete=True)))
             except ConfigError as e:
                 raise RunRootError(f"{e}; this case cannot be resumed as it is (rerun the matrix instead)") from None
         return out
