@@ -350,8 +350,13 @@ _register_analysis()
 
 
 def main() -> None:
-    """Console-script entry."""
-    app()
+    """Console-script entry: a file that cannot be written or read (a full or read-only disk, a permission) is one
+    line naming it, not a traceback."""
+    try:
+        app()
+    except OSError as err:
+        err_console.print(f"[red]error:[/red] {err.filename or ''}: {err.strerror or err}", highlight=False)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ well, with its descendants and every descendant of the case the watchdog saw whi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from zbench import procs, stacks
 from zbench.config import RunConfig, dump_yaml
 from zbench.harness.runner_profile import RunnerProfile
 from zbench.runroot import casedir
+from zbench.runroot.casedir import RunRootError
 from zbench.runroot.root import RunRoot
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
@@ -344,6 +346,15 @@ def run_case(
     ).status  # fmt: skip
 
 
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)  # the results' disk, not the run, is at fault
+
+
+def _disk_error(err: OSError, run_root: RunRoot) -> str:
+    return (f"cannot write {err.filename or run_root.path}: {err.strerror}; the run stopped at this write, and "
+            f"what it recorded before is intact. Free space (or make the results writable), then "
+            f"`zbench resume {run_root.path}`")
+
+
 # Cases running in this process, so that a second signal can kill them at once.
 _ACTIVE: set[_Watch] = set()
 
@@ -526,10 +537,20 @@ def run_cases(
                             break
                     statuses.append(outcome.status)
                     run_root.write_summary()
+            except OSError as err:
+                if err.errno not in DISK_ERRNOS:
+                    raise
+                raise RunRootError(_disk_error(err, run_root)) from err
             finally:
-                # Also after an error or an interrupt: the table on disk matches the case dirs.
-                run_root.write_summary()
-                run_root.update_manifest(ended_at=casedir.utc_now())
+                # Also after an error or an interrupt: the table on disk matches the case dirs. On a full or
+                # read-only disk these fail too; the atomic writes then leave the previous files as they were.
+                for write in (run_root.write_summary, lambda: run_root.update_manifest(ended_at=casedir.utc_now())):
+                    try:
+                        write()
+                    except OSError as err:
+                        if err.errno not in DISK_ERRNOS:
+                            raise
+                        print(f"[zbench] {_disk_error(err, run_root)}", file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

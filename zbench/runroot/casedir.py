@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -32,6 +33,10 @@ STACK_PIDS = "stack_pids"  # one line per engine process that prints its stack o
 RAY_TMPDIR_FILE = "ray_tmpdir"  # the Ray temp folder the engine used, so the harness can sweep its processes
 CKPT_DIR = "ckpt"
 CKPT_STATE = "state.json"  # inside ckpt/: written last, so a checkpoint counts only once this names it
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # every file of a run root, written whole or appended to: what open() would give
 
 STATUSES = ("pending", "running", "completed", "failed", "oom", "timeout", "interrupted")
 
@@ -71,6 +76,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would differ from the files appended to
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -250,6 +256,20 @@ def ray_tmpdir(case_dir: str | os.PathLike[str]) -> Path:
     """
     digest = hashlib.sha1(str(Path(case_dir).resolve()).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+
+
+def prepare_ray_tmpdir(path: Path) -> Path:
+    """Make the case's Ray folder (``ray_tmpdir``) private, 0700 and owned by this user, and return the folder
+    inside it to give Ray: Ray makes the folders it is given world-writable, so they live one level down.
+
+    Its name is predictable, in a shared temp dir: one that exists but is a link or someone else's is refused."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RunRootError(f"{path}: exists but is not a directory owned by this user; refusing to start Ray there")
+    os.chmod(path, 0o700)
+    return path / "ray"
 
 
 def record_ray_tmpdir(case_dir: str | os.PathLike[str], path: Path) -> None:

@@ -26,6 +26,7 @@ from zbench.config import ConfigError, RunConfig, load_case_config
 from zbench.env import collect_environment
 from zbench.runroot.casedir import (
     CONFIG,
+    FILE_MODE,
     RunRootError,
     atomic_write_json,
     read_json,
@@ -241,7 +242,7 @@ class RunLock:
             "started_unix": psutil.Process().create_time(), "command": self.command,
         }  # fmt: skip
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -254,9 +255,13 @@ class RunLock:
             if not same:  # the holder released (and removed) the file between our open and flock: try afresh
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-            os.fsync(fd)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+                os.fsync(fd)
+            except OSError as err:  # a full or read-only disk: say which file
+                os.close(fd)
+                raise OSError(err.errno, err.strerror, str(self.path)) from None
             self._fd, self.held = fd, True
             return self
         raise LockError(f"{self.path}: could not take the lock; other processes keep taking and releasing it")
