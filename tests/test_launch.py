@@ -238,8 +238,12 @@ DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode,grace,signals", [("forever", 5.0, 1), ("ignore-term", 30.0, 2)])
-def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int) -> None:
+@pytest.mark.parametrize(
+    "mode,grace,signals,sig",
+    [("forever", 5.0, 1, signal.SIGINT), ("ignore-term", 30.0, 2, signal.SIGINT),
+     ("forever", 5.0, 1, signal.SIGHUP)],  # a dropped ssh session stops the run as Ctrl-C does
+)
+def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int, sig: int) -> None:
     root = make_root(tmp_path, ["a", "b"])
     cfg = tmp_path / "config.yaml"
     cfg.write_text(dump_yaml(CONFIG))
@@ -255,7 +259,7 @@ def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int)
     engine = [p.pid for p in psutil.Process(driver.pid).children()]
     t0 = time.monotonic()
     for _ in range(signals):
-        driver.send_signal(signal.SIGINT)
+        driver.send_signal(sig)
         time.sleep(0.5)
     assert driver.wait(timeout=15) == 130
     assert time.monotonic() - t0 < grace  # a second SIGINT does not wait out the grace period

@@ -90,6 +90,10 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
     ray.init(**kwargs)
 
 
+def _node_id(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 class WorkerGroup:
     """One Ray actor per rank, each pinned to its bundle of a shared placement group."""
 
@@ -119,6 +123,10 @@ class WorkerGroup:
     def call_sharded(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
         """Call `method` on every rank with its own shard; wait for all."""
         return ray.get([getattr(h, method).remote(s, *args) for h, s in zip(self.handles, shards, strict=True)])
+
+    def nodes(self) -> list[str]:
+        """The Ray node id each rank runs on, in rank order."""
+        return ray.get([h.__ray_call__.remote(_node_id) for h in self.handles])
 
     def kill(self) -> None:
         for h in self.handles:

@@ -39,12 +39,6 @@ def _exit_worker(worker: Any) -> None:
     os._exit(1)
 
 
-def _node_of(worker: Any) -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
 def maybe_inject(trainer: Any, step: int) -> None:
     """Fire the case's fault if it is due at ``step`` of the first attempt; nothing when none is configured."""
     plan = trainer.cfg.trainer.fault_plan()
@@ -66,8 +60,9 @@ def maybe_inject(trainer: Any, step: int) -> None:
     elif kind == "worker_exit":
         ray.get(ranks[-1].__ray_call__.remote(_exit_worker))
     elif kind == "node_loss":
-        workers = [*ranks, *(trainer.critic.handles if trainer.critic else [])]
-        nodes = ray.get([w.__ray_call__.remote(_node_of) for w in workers])
+        groups = [g for g in (trainer.policy, trainer.critic) if g is not None]
+        workers = [h for g in groups for h in g.handles]
+        nodes = [n for g in groups for n in g.nodes()]
         lost = nodes[len(ranks) - 1]
         print(f"[fault] node {lost}: stopping its {nodes.count(lost)} workers", flush=True)
         # all at once, then wait: the first exit must not stop the others from being told

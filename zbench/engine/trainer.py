@@ -145,6 +145,7 @@ class Trainer:
         self.policy = self.placement.group(PolicyWorker, env, *args)
         self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
+        self.info["rank_nodes"] = self.policy.nodes()  # the Ray node of each rank, for the result
         self.records.beat()
         if self.critic:
             self.info["critic"] = self.critic.call("setup")[0]
@@ -341,7 +342,7 @@ class Trainer:
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
-                "fused_ops": self.info.get("fused_ops"),
+                "fused_ops": self.info.get("fused_ops"), "rank_nodes": self.info["rank_nodes"],
             }
             self.records.result(result)
             return result
