@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from zbench import procs
 from zbench.config import dump_yaml, from_dict
 from zbench.harness import launch
 from zbench.harness.progress import PlainProgress, make_progress
@@ -89,7 +90,7 @@ def test_a_timeout_prints_where_a_ray_worker_hung(tmp_path: Path) -> None:
     assert "the stacks of its 2 Python processes follow" in log
     dump = log.split("Python processes follow")[1]
     assert "waiting_for_worker" in dump and "stuck_in_worker" in dump
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
     shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 
@@ -126,7 +127,7 @@ def test_leftover_daemons_are_killed(tmp_path: Path) -> None:
     assert status["status"] == "completed"
     pids = [int(p) for p in (tmp_path / "case" / "pids").read_text().split()]
     assert_gone(pids)
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(tmp_path / "case")))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(tmp_path / "case")))
 
 
 def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
@@ -350,7 +351,7 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
     log = (cdir / "train.log").read_text()
     worker = int(log.split("worker pid ")[1].split()[0])
     assert_gone([worker])
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
     shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 

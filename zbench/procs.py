@@ -29,6 +29,7 @@ from zbench import stacks
 from zbench.runroot import casedir
 
 SUPERVISOR_ENV = "ZBENCH_SUPERVISOR"  # "<pid>:<create time>" of the process supervising a case
+ATTEMPT_ENV = "ZBENCH_ATTEMPT"  # the attempt number of this run of the case (trainer.fault fires on the first)
 SUPERVISOR_POLL_S = 1.0  # how often the engine checks that its supervisor is still there
 _RAY_TMPDIR_NAME = re.compile(r"zbench-ray-[0-9a-f]{10}")
 

@@ -16,8 +16,9 @@ import os
 import time
 from typing import Any
 
+from zbench.procs import ATTEMPT_ENV  # 1 when the engine runs by hand
+
 SLOW_FAULT_S = 15.0  # how much longer a `slow` step takes
-ATTEMPT_ENV = "ZBENCH_ATTEMPT"  # the launcher's attempt number of this run of the case (1 when run by hand)
 
 
 def _hang_in_barrier(worker: Any) -> None:

@@ -57,12 +57,6 @@ EXCEPTION_LINE = re.compile(
 
 _LOG_SCAN_BYTES = 4 << 20  # classify from the last 4 MiB of an attempt's log
 
-# The process helpers live in zbench.procs (the engine uses them too); these names stay for callers of launch.
-ray_markers = procs.ray_markers
-processes_mentioning = procs.processes_mentioning
-kill_processes = procs.kill_processes
-_alive = procs.alive
-_group_alive = procs.group_alive
 
 
 # ---------------------------------------------------------------- one case
@@ -87,7 +81,7 @@ class _Watch:
 
     def leftovers(self) -> list[psutil.Process]:
         # Ray workers retitle themselves (ray::Worker...): they are reached as descendants of their raylet.
-        return _alive([*self.seen.values(), *procs.case_processes(self.case_dir)])
+        return procs.alive([*self.seen.values(), *procs.case_processes(self.case_dir)])
 
 
 def _heartbeat_mtime(case_dir: Path) -> float | None:
@@ -122,13 +116,13 @@ def _watchdog(
         elif step_timeout_s is not None and now - last > step_timeout_s:
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
         if watch.fired:  # a hang: first ask the engine's processes where they are
-            procs = stacks.registered(case_dir)
+            dumping = stacks.registered(case_dir)
             with contextlib.suppress(OSError), (case_dir / casedir.TRAIN_LOG).open("ab") as logf:
-                logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(procs)} Python processes follow\n"
+                logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(dumping)} Python processes follow\n"
                            .encode())
-            stacks.request_stack_dumps(procs)
+            stacks.request_stack_dumps(dumping)
         if watch.interrupted or watch.fired:
-            kill_processes(watch.pgid, watch.leftovers(), grace_s)
+            procs.kill_processes(watch.pgid, watch.leftovers(), grace_s)
             return
         if tick is not None:
             with contextlib.suppress(Exception):  # a display error must not stop the watchdog
@@ -272,7 +266,7 @@ def run_attempt(
     child_env = {
         **os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1",
         procs.SUPERVISOR_ENV: procs.identity(),  # the engine stops itself when this process is gone
-        "ZBENCH_ATTEMPT": str(attempt),  # trainer.fault fires on the first attempt only
+        procs.ATTEMPT_ENV: str(attempt),  # trainer.fault fires on the first attempt only
     }  # fmt: skip
     log = cdir / casedir.TRAIN_LOG
     started_at = casedir.utc_now()
@@ -301,7 +295,7 @@ def run_attempt(
         exit_code = proc.wait()
         dog.join()
         # The engine is gone; whatever it left behind (Ray daemons, stray workers) goes too.
-        kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
+        procs.kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
     finally:
         _ACTIVE.discard(watch)
         stacks.forget(cdir)
@@ -494,7 +488,7 @@ def run_cases(
         stop.set()
         if len(caught) > 1:  # impatient second signal: no grace period
             for watch in list(_ACTIVE):
-                kill_processes(watch.pgid, watch.leftovers(), 0.0)
+                procs.kill_processes(watch.pgid, watch.leftovers(), 0.0)
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
