@@ -26,27 +26,29 @@ CASE = "zero2_no_offload"
 
 @pytest.fixture
 def two_nodes(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """A head and a second node, one CPU each, on 127.0.0.1 (kept there: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)."""
+    """A head and a second node, one CPU each, joined at 127.0.0.1 (a multi-node Ray registers its nodes under the
+    machine's own address: all traffic still stays on this machine)."""
     if not RAY.exists():
         pytest.skip("the ray command is not installed beside this interpreter")
     port = free_port("127.0.0.1")
     temp = Path("/tmp") / f"zbench-2n-{os.getpid()}"  # short: Ray's socket paths must stay < 108 bytes
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env_add = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env_add = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}  # Ray 2.60 clusters check a token
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env_add}
-    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
     try:
         subprocess.run([str(RAY), "start", "--head", "--port", str(port), "--include-dashboard", "false",
                         "--temp-dir", str(temp), *common], check=True, capture_output=True, text=True, timeout=180,
                        env=env)
-        subprocess.run([str(RAY), "start", "--address", f"127.0.0.1:{port}", *common], check=True,
-                       capture_output=True, text=True, timeout=180, env=env)
+        second = subprocess.run([str(RAY), "start", "--address", f"127.0.0.1:{port}", *common],
+                                capture_output=True, text=True, timeout=180, env=env)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
         yield f"127.0.0.1:{port}", env_add
     finally:
         # only this cluster's processes (`ray stop` would stop every Ray on the machine)
         procs.kill_processes(None, procs.with_descendants(procs.processes_mentioning(
-            str(temp), f"127.0.0.1:{port}", f"--gcs_server_port={port}")), grace_s=10.0)
+            str(temp), f"127.0.0.1:{port}", f":{port}", f"--gcs_server_port={port}")), grace_s=10.0)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -56,7 +58,7 @@ def test_ranks_on_two_nodes_and_a_lost_node_is_retried(two_nodes: tuple[str, dic
     address, env = two_nodes
     profile = tmp_path / "two-nodes.yaml"
     profile.write_text(f"description: two nodes on this machine\nray_address: '{address}'\n"
-                       f"node_ip_address: 127.0.0.1\nnum_workers: 2\nenv: {json.dumps(env)}\n")
+                       f"num_workers: 2\nenv: {json.dumps(env)}\n")
     results = tmp_path / "results"
     res = subprocess.run(
         [sys.executable, "-m", "zbench", "run", "grpo-six-case", "--cases", CASE, "--steps", "3", "--retries", "1",
