@@ -83,7 +83,7 @@ def test_interrupt_leaves_a_consistent_run_root(interrupted: Path) -> None:
     assert [c["name"] for c in manifest["cases"]] == SIX
     assert manifest["versions"]["deepspeed"] and manifest["command"][:2] == ["zbench", "run"]
     # no Ray process of this run survives the interrupt (other runs on the machine may have their own)
-    from zbench.harness.launch import ray_markers
+    from zbench.procs import ray_markers
 
     markers = sorted({m for c in SIX for m in ray_markers(interrupted / c)})
     leftovers = [pid for m in markers

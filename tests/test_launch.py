@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from zbench import procs
 from zbench.config import dump_yaml, from_dict
 from zbench.harness import launch
 from zbench.harness.progress import PlainProgress, make_progress
@@ -89,7 +90,7 @@ def test_a_timeout_prints_where_a_ray_worker_hung(tmp_path: Path) -> None:
     assert "the stacks of its 2 Python processes follow" in log
     dump = log.split("Python processes follow")[1]
     assert "waiting_for_worker" in dump and "stuck_in_worker" in dump
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
     shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 
@@ -126,7 +127,7 @@ def test_leftover_daemons_are_killed(tmp_path: Path) -> None:
     assert status["status"] == "completed"
     pids = [int(p) for p in (tmp_path / "case" / "pids").read_text().split()]
     assert_gone(pids)
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(tmp_path / "case")))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(tmp_path / "case")))
 
 
 def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
@@ -135,10 +136,13 @@ def test_ray_tmpdir_is_short_enough_for_unix_sockets(tmp_path: Path) -> None:
     assert casedir.ray_tmpdir(deep) == casedir.ray_tmpdir(deep) != casedir.ray_tmpdir(tmp_path)
 
 
-def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "swept"), [("zbench-ray-0123456789", True), ("elsewhere-ray", False)])
+def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path, name: str, swept: bool) -> None:
+    """A Ray folder the engine recorded is swept when it has the shape zbench gives Ray folders; any other path in
+    that file (the run root is data) decides nothing about which processes die."""
     cdir = tmp_path / "case"
     cdir.mkdir()
-    marker = tmp_path / "elsewhere-ray"
+    marker = tmp_path / name
     (cdir / casedir.RAY_TMPDIR_FILE).write_text(f"{marker}\n")
     daemon = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)", f"--temp-dir={marker}"], start_new_session=True
@@ -146,7 +150,10 @@ def test_ray_tmpdir_recorded_by_the_engine_is_swept(tmp_path: Path) -> None:
     try:
         status = launch.run_case(cdir, fake("ok", str(cdir)), {}, None, None, 1, kill_grace_s=1.0, poll_s=0.1)
         assert status["status"] == "completed"
-        assert daemon.wait(timeout=5) is not None
+        if swept:
+            assert daemon.wait(timeout=5) is not None
+        else:
+            assert daemon.poll() is None
     finally:
         daemon.kill()
 
@@ -232,8 +239,12 @@ DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode,grace,signals", [("forever", 5.0, 1), ("ignore-term", 30.0, 2)])
-def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int) -> None:
+@pytest.mark.parametrize(
+    "mode,grace,signals,sig",
+    [("forever", 5.0, 1, signal.SIGINT), ("ignore-term", 30.0, 2, signal.SIGINT),
+     ("forever", 5.0, 1, signal.SIGHUP)],  # a dropped ssh session stops the run as Ctrl-C does
+)
+def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int, sig: int) -> None:
     root = make_root(tmp_path, ["a", "b"])
     cfg = tmp_path / "config.yaml"
     cfg.write_text(dump_yaml(CONFIG))
@@ -249,7 +260,7 @@ def test_sigint_stops_run(tmp_path: Path, mode: str, grace: float, signals: int)
     engine = [p.pid for p in psutil.Process(driver.pid).children()]
     t0 = time.monotonic()
     for _ in range(signals):
-        driver.send_signal(signal.SIGINT)
+        driver.send_signal(sig)
         time.sleep(0.5)
     assert driver.wait(timeout=15) == 130
     assert time.monotonic() - t0 < grace  # a second SIGINT does not wait out the grace period
@@ -340,7 +351,7 @@ def test_real_ray_daemons_do_not_survive_a_killed_case(tmp_path: Path) -> None:
     log = (cdir / "train.log").read_text()
     worker = int(log.split("worker pid ")[1].split()[0])
     assert_gone([worker])
-    assert not launch.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
+    assert not procs.processes_mentioning(str(casedir.ray_tmpdir(cdir)))
     shutil.rmtree(casedir.ray_tmpdir(cdir), ignore_errors=True)
 
 

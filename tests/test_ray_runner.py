@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from zbench.engine.cluster import free_port
-from zbench.harness.launch import kill_processes, processes_mentioning
+from zbench.procs import kill_processes, processes_mentioning
 
 RAY = Path(sys.executable).with_name("ray")
 

@@ -201,11 +201,11 @@ def test_log_probs_change_no_token() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from transformers import AutoConfig
-    from zbench.models import resolve_model
 
     from zbench.engine import vllm_rollout
     from zbench.engine.trainer import left_pad
     from zbench.engine.workers import special_ids
+    from zbench.models import resolve_model
 
     cfg = from_dict({"algorithm": "grpo", "rollout": {"backend": "vllm", "n": 4, "max_new_tokens": 24},
                      "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": 1}})

@@ -175,6 +175,7 @@ def run(
     from zbench.harness.launch import RunInterrupted
     from zbench.harness.runner_profile import load_runner_profile
     from zbench.harness.runs import RunRequest, exit_code, plan_cases, run_matrix
+    from zbench.runroot.casedir import RunRootError
 
     try:
         req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
@@ -186,7 +187,7 @@ def run(
                 print(f"{c.name}\t" + " ".join(f"{k}={v}" for k, v in c.overrides.items()))
             return
         root, statuses = run_matrix(req, ["zbench", *sys.argv[1:]])
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, RunRootError, ValueError) as err:
         fail(str(err))
     except RunInterrupted as stop:
         err_console.print(f"interrupted: summary written; continue with `zbench resume <run root>` ({stop})")

@@ -292,6 +292,9 @@ class RewardConfig:
         _choice("method", self.method, ("strict", "flexible"))
 
 
+FAULT_KINDS = ("crash", "hang", "oom", "worker_exit", "node_loss", "slow")  # trainer.fault (zbench.engine.faults)
+
+
 @dataclass(**_FROZEN)
 class TrainerConfig:
     """Placement, batch and bookkeeping."""
@@ -305,6 +308,14 @@ class TrainerConfig:
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)
+    fault: str = ""  # KIND@STEP injects a fault on the first attempt (crash, hang, oom, worker_exit, node_loss, slow); "" none
+
+    def fault_plan(self) -> tuple[str, int] | None:
+        """``trainer.fault`` as (kind, step), or None when no fault is asked for."""
+        if not self.fault:
+            return None
+        kind, _, step = self.fault.partition("@")
+        return kind, int(step)
 
     def uses_cuda(self) -> bool:
         """Whether the case runs on CUDA: asked (``cuda``; the engine refuses to start where there is none), or
@@ -327,6 +338,11 @@ class TrainerConfig:
             _choice("logger", name, LOGGERS)
         if len(set(self.logger)) < len(self.logger):
             raise ConfigError("logger", f"names a tracker twice: {list(self.logger)}")
+        if self.fault:
+            kind, at, step = str(self.fault).partition("@")
+            if kind not in FAULT_KINDS or not at or not step.isdigit() or int(step) < 1:
+                raise ConfigError("fault", f"{self.fault!r} is not KIND@STEP with KIND one of "
+                                           f"{', '.join(FAULT_KINDS)} and STEP >= 1 (e.g. crash@3), or '' for none")
 
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
@@ -566,12 +582,28 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError("", f"malformed YAML: {where}{problem}", str(path)) from None
 
 
-def load_case_config(path: str | Path) -> RunConfig:
-    """Read `<case>/config.yaml` (or any file in that form)."""
+def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
+    """Read `<case>/config.yaml` (or any file in that form). With `complete`, every key must be in the file, as
+    zbench writes it: a truncated file is an error naming the keys it lacks, never filled with defaults."""
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
+    if complete:
+        missing = [k for k in dotted_keys() if not _has_dotted(data, k)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ConfigError("", f"not a complete case config (truncated, or written by another zbench version): "
+                                  f"it lacks {shown}", str(path))
     return from_dict(data, str(path))
+
+
+def _has_dotted(data: Mapping[str, Any], key: str) -> bool:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def dotted_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:

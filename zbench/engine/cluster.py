@@ -7,6 +7,7 @@ on 127.0.0.1 whose temporary files live in `ZBENCH_RAY_TMPDIR` (or a folder deri
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from pathlib import Path
@@ -27,11 +28,32 @@ def ray_tmpdir(case_dir: Path) -> Path:
     return casedir.ray_tmpdir(case_dir)
 
 
-def free_port() -> int:
-    """A TCP port free on this node right now."""
+def free_port(host: str = "") -> int:
+    """A TCP port free on this node right now, at `host` ("" = every interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+PG_TIMEOUT = datetime.timedelta(minutes=30)  # DeepSpeed's default for its process groups
+
+
+def join_process_group(backend: str, addr: str, port: int, rank: int, world_size: int,
+                       device: Any = None) -> None:
+    """Form torch.distributed's default group through a TCPStore whose server (on rank 0) listens at `addr` only;
+    torch's own store would listen on every interface. DeepSpeed then adopts the group as it finds it."""
+    import torch.distributed as dist
+
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(world_size)
+        listen_fd = sock.detach()  # the store owns the socket from here on
+    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=PG_TIMEOUT, master_listen_fd=listen_fd)
+    kwargs = {"device_id": device} if device is not None else {}  # binds NCCL to the rank's GPU, as DeepSpeed does
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT, **kwargs)
 
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
@@ -53,9 +75,11 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
     casedir.record_ray_tmpdir(case_dir, tmp)
     kwargs: dict[str, Any] = {
         "address": "local",
-        "_node_ip_address": "127.0.0.1",
+        "_node_ip_address": "127.0.0.1",  # stays loopback: see zbench.engine.__main__ (private_ray_env)
         "include_dashboard": False,
-        "_temp_dir": str(tmp),
+        # no Prometheus endpoints: the dashboard agent's metrics exporter answers anyone who connects
+        "_system_config": {"enable_metrics_collection": False},
+        "_temp_dir": str(casedir.prepare_ray_tmpdir(tmp)),
         "log_to_driver": True,
         # logical CPUs: two workers per rank (actor + critic) and the controller, whatever the core count
         "num_cpus": max(os.cpu_count() or 1, 2 * world_size + 1),
@@ -64,6 +88,10 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
     if not on_cuda:
         kwargs["num_gpus"] = 0
     ray.init(**kwargs)
+
+
+def _node_id(actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 class WorkerGroup:
@@ -95,6 +123,10 @@ class WorkerGroup:
     def call_sharded(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
         """Call `method` on every rank with its own shard; wait for all."""
         return ray.get([getattr(h, method).remote(s, *args) for h, s in zip(self.handles, shards, strict=True)])
+
+    def nodes(self) -> list[str]:
+        """The Ray node id each rank runs on, in rank order."""
+        return ray.get([h.__ray_call__.remote(_node_id) for h in self.handles])
 
     def kill(self) -> None:
         for h in self.handles:

@@ -30,9 +30,11 @@ from zbench.engine.batches import (
     sequence_batch,
     shard,
 )
+from zbench.engine.faults import maybe_inject
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
+from zbench.procs import watch_supervisor
 from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
@@ -93,7 +95,7 @@ class Trainer:
 
     def __init__(self, case_dir: Path):
         self.case_dir = case_dir
-        self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG)
+        self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG, complete=True)
         want = self.cfg.trainer.device
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
@@ -145,6 +147,7 @@ class Trainer:
         self.policy = self.placement.group(PolicyWorker, env, *args)
         self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
+        self.info["rank_nodes"] = self.policy.nodes()  # the Ray node of each rank, for the result
         self.records.beat()
         if self.critic:
             self.info["critic"] = self.critic.call("setup")[0]
@@ -337,6 +340,7 @@ class Trainer:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             for step in range(start_step + 1, cfg.steps + 1):
+                maybe_inject(self, step)  # trainer.fault, first attempt only
                 trackers.log(step, self.records.step(step, self.step(step)))
                 if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
                     self.save(step)
@@ -349,7 +353,7 @@ class Trainer:
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
                 "fused_ops": self.info.get("fused_ops"), "trackers": trackers.close(completed),
-                "old_log_prob_pass": cfg.old_log_prob_pass,
+                "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
             }
             self.records.result(result)
             return result
@@ -378,6 +382,7 @@ def main(case_dir: str) -> int:
     """Train the case in `case_dir`; exit codes: 0 done, 1 failure, 2 config error."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     enable_stack_dumps(case_dir)  # a timeout asks for this process's stacks before killing it
+    watch_supervisor(Path(case_dir))  # the harness gone (killed, hung up): the case goes with it
     try:
         trainer = Trainer(Path(case_dir))
         trainer.run()

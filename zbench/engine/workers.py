@@ -24,7 +24,7 @@ import torch
 from zbench.config import ConfigError, RunConfig, effective_offload
 from zbench.engine import algos
 from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
-from zbench.engine.cluster import free_port
+from zbench.engine.cluster import free_port, join_process_group
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
@@ -151,7 +151,8 @@ class _Worker:
         """This node's address and a free port, for rank 0 to host the group's rendezvous."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a private Ray: the rendezvous stays on loopback
+        return ip, free_port(ip)
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join this group's torch.distributed group."""
@@ -164,7 +165,10 @@ class _Worker:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         if self.on_cuda:
             torch.cuda.set_device(self.device)
-        deepspeed.init_distributed(dist_backend="nccl" if self.on_cuda else "gloo", verbose=False)
+        backend = "nccl" if self.on_cuda else "gloo"
+        join_process_group(backend, master_addr, master_port, self.rank, self.world_size,
+                           self.device if self.on_cuda else None)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
     def _ds_train_config(self, micro: int, grad_accum: int, lr: float, weight_decay: float, grad_clip: float) -> dict:
         from zbench.engine.ds_config import nvme_folder, training_config

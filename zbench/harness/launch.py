@@ -11,6 +11,7 @@ well, with its descendants and every descendant of the case the watchdog saw whi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -27,10 +28,11 @@ from typing import Any, Protocol
 
 import psutil
 
-from zbench import stacks
+from zbench import procs, stacks
 from zbench.config import RunConfig, dump_yaml
 from zbench.harness.runner_profile import RunnerProfile
 from zbench.runroot import casedir
+from zbench.runroot.casedir import RunRootError
 from zbench.runroot.root import RunRoot
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
@@ -56,69 +58,6 @@ EXCEPTION_LINE = re.compile(
 _LOG_SCAN_BYTES = 4 << 20  # classify from the last 4 MiB of an attempt's log
 
 
-def ray_markers(case_dir: Path) -> list[str]:
-    """Strings whose presence in a command line marks a process as Ray started by this case."""
-    markers = {str(casedir.ray_tmpdir(case_dir))}
-    recorded = casedir.recorded_ray_tmpdir(case_dir)
-    if recorded and len(recorded) > 8:  # never a marker so short that it matches unrelated processes
-        markers.add(recorded)
-    return sorted(markers)
-
-
-# ---------------------------------------------------------------- killing
-
-
-def _alive(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-    return out
-
-
-def processes_mentioning(*markers: str) -> list[psutil.Process]:
-    """Processes (other than this one) whose command line contains one of ``markers``."""
-    found = []
-    me = os.getpid()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            args = p.info["cmdline"] or ()
-            if p.info["pid"] != me and any(m in arg for arg in args for m in markers):
-                found.append(p)
-    return found
-
-
-def kill_processes(pgid: int | None, extra: Sequence[psutil.Process], grace_s: float) -> None:
-    """SIGTERM a process group and extra processes, wait up to ``grace_s``, then SIGKILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if pgid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        for p in _alive(extra):
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and (_group_alive(pgid) or _alive(extra)):
-                time.sleep(0.1)
-    psutil.wait_procs(_alive(extra), timeout=2.0)
-
-
-def _group_alive(pgid: int | None) -> bool:
-    if pgid is None:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    # A group whose only members are zombies awaiting our wait() counts as gone.
-    for p in psutil.process_iter(["pid", "status"]):
-        with contextlib.suppress(psutil.Error):
-            if os.getpgid(p.info["pid"]) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-    return False
-
 
 # ---------------------------------------------------------------- one case
 
@@ -141,12 +80,8 @@ class _Watch:
                 self.seen.setdefault(child.pid, child)
 
     def leftovers(self) -> list[psutil.Process]:
-        ray = processes_mentioning(*ray_markers(self.case_dir))
-        for p in list(ray):
-            # Ray workers retitle themselves (ray::Worker...): reach them through their raylet.
-            with contextlib.suppress(psutil.Error):
-                ray.extend(p.children(recursive=True))
-        return _alive([*self.seen.values(), *ray])
+        # Ray workers retitle themselves (ray::Worker...): they are reached as descendants of their raylet.
+        return procs.alive([*self.seen.values(), *procs.case_processes(self.case_dir)])
 
 
 def _heartbeat_mtime(case_dir: Path) -> float | None:
@@ -181,13 +116,13 @@ def _watchdog(
         elif step_timeout_s is not None and now - last > step_timeout_s:
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
         if watch.fired:  # a hang: first ask the engine's processes where they are
-            procs = stacks.registered(case_dir)
+            dumping = stacks.registered(case_dir)
             with contextlib.suppress(OSError), (case_dir / casedir.TRAIN_LOG).open("ab") as logf:
-                logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(procs)} Python processes follow\n"
+                logf.write(f"==== zbench: {watch.fired}; the stacks of its {len(dumping)} Python processes follow\n"
                            .encode())
-            stacks.request_stack_dumps(procs)
+            stacks.request_stack_dumps(dumping)
         if watch.interrupted or watch.fired:
-            kill_processes(watch.pgid, watch.leftovers(), grace_s)
+            procs.kill_processes(watch.pgid, watch.leftovers(), grace_s)
             return
         if tick is not None:
             with contextlib.suppress(Exception):  # a display error must not stop the watchdog
@@ -324,11 +259,15 @@ def run_attempt(
     """``run_case`` returning also whether the failure is transient (retryable) or a config error."""
     cdir = Path(case_dir).resolve()
     cdir.mkdir(parents=True, exist_ok=True)
-    if attempt > 1:
-        _prepare_attempt(cdir, attempt)
+    if attempt > 1 or (cdir / casedir.METRICS).exists() or (cdir / casedir.RESULT).exists():
+        _prepare_attempt(cdir, max(attempt, 2))
     stacks.forget(cdir)
     ray_dir = casedir.ray_tmpdir(cdir)
-    child_env = {**os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1"}
+    child_env = {
+        **os.environ, **(env or {}), "ZBENCH_RAY_TMPDIR": str(ray_dir), "PYTHONUNBUFFERED": "1",
+        procs.SUPERVISOR_ENV: procs.identity(),  # the engine stops itself when this process is gone
+        procs.ATTEMPT_ENV: str(attempt),  # trainer.fault fires on the first attempt only
+    }  # fmt: skip
     log = cdir / casedir.TRAIN_LOG
     started_at = casedir.utc_now()
     status: dict[str, Any] = {
@@ -356,10 +295,11 @@ def run_attempt(
         exit_code = proc.wait()
         dog.join()
         # The engine is gone; whatever it left behind (Ray daemons, stray workers) goes too.
-        kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
+        procs.kill_processes(watch.pgid, watch.leftovers(), min(kill_grace_s, 5.0))
     finally:
         _ACTIVE.discard(watch)
         stacks.forget(cdir)
+        procs.remove_ray_tmpdir(cdir)
     log_text = _read_attempt_log(log, offset)
     warnings: list[str] = []
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings)
@@ -398,6 +338,15 @@ def run_case(
         case_dir, command, env, case_timeout_s, step_timeout_s, attempt,
         stop=stop, kill_grace_s=kill_grace_s, poll_s=poll_s, tick=tick,
     ).status  # fmt: skip
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)  # the results' disk, not the run, is at fault
+
+
+def _disk_error(err: OSError, run_root: RunRoot) -> str:
+    return (f"cannot write {err.filename or run_root.path}: {err.strerror}; the run stopped at this write, and "
+            f"what it recorded before is intact. Free space (or make the results writable), then "
+            f"`zbench resume {run_root.path}`")
 
 
 # Cases running in this process, so that a second signal can kill them at once.
@@ -463,24 +412,59 @@ class RunInterrupted(Exception):
         self.statuses = statuses
 
 
-def _write_configs(run_root: RunRoot, cases: Sequence[tuple[str, RunConfig]]) -> dict[str, dict[str, Any]]:
-    """Write every case's config.yaml up front (so a resume finds them all); return the completed cases.
-
-    A case counts as completed only if its status says so and its config.yaml is the one given now.
-    """
-    done = {}
+def _write_configs(run_root: RunRoot, cases: Sequence[tuple[str, RunConfig]]) -> set[str]:
+    """Write every case's config.yaml up front (so a resume finds them all); return the cases whose config on disk
+    is the one given now (only those can count as completed)."""
+    same_config = set()
     for name, cfg in cases:
         config_text = dump_yaml(cfg)
         cdir = run_root.case_dir(name)
         cdir.mkdir(exist_ok=True)
         path = cdir / casedir.CONFIG
-        same = path.is_file() and path.read_text(encoding="utf-8") == config_text
-        status = casedir.read_status(cdir)
-        if same and status and status.get("status") == "completed":
-            done[name] = status
-        elif not same:
+        if path.is_file() and path.read_text(encoding="utf-8") == config_text:
+            same_config.add(name)
+        else:
             casedir.atomic_write_text(path, config_text)
-    return done
+    return same_config
+
+
+@dataclass(frozen=True)
+class CaseState:
+    """What a case directory says about a case before a new attempt: completed (its status), or the next attempt."""
+
+    completed: dict[str, Any] | None
+    next_attempt: int
+    reaped: int  # live processes of an earlier supervisor stopped first
+
+
+def case_state(case_dir: Path, steps: int, same_config: bool) -> CaseState:
+    """Decide from everything the case directory holds whether a case is done, after stopping any process an
+    earlier supervisor left running (so that two attempts never run at once).
+
+    Completed means a result.json with every step and a metrics record for each of steps 1..``steps``, whatever
+    status.json says (a harness killed after the last step never wrote it). A status.json or result.json that is
+    there but unreadable or foreign is an error naming it, never a fresh start."""
+    reaped = procs.reap_case(case_dir)
+    status = casedir.load_status(case_dir)
+    result = casedir.load_result(case_dir)
+    recorded = {r["step"] for r in casedir.read_metrics(case_dir).records}
+    complete = (
+        result is not None and result["steps_target"] == steps and result["steps_completed"] >= steps
+        and recorded >= set(range(1, steps + 1))
+    )  # fmt: skip
+    leftovers = result is not None or (case_dir / casedir.METRICS).exists()
+    last = max(status["attempt"] if status else 0, casedir.archived_attempts(case_dir), 1 if leftovers else 0)
+    if same_config and complete:
+        if status is None or status["status"] != "completed":
+            said = f"status.json said {status['status']!r}" if status else "status.json was missing"
+            status = {
+                **(status or {}), "status": "completed", "attempt": max(last, 1), "exit_code": None, "reason": "",
+                "last_step": max(recorded), "ended_at": (status or {}).get("ended_at") or casedir.utc_now(),
+                "warnings": [f"recorded as completed from result.json and metrics.jsonl ({said})"],
+            }  # fmt: skip
+            casedir.write_status(case_dir, status)
+        return CaseState(status, last, reaped)
+    return CaseState(None, last + 1, reaped)
 
 
 def run_cases(
@@ -504,30 +488,34 @@ def run_cases(
         stop.set()
         if len(caught) > 1:  # impatient second signal: no grace period
             for watch in list(_ACTIVE):
-                kill_processes(watch.pgid, watch.leftovers(), 0.0)
+                procs.kill_processes(watch.pgid, watch.leftovers(), 0.0)
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a dropped ssh session stops the run cleanly instead of leaving the case to its own watch
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
     statuses: list[dict[str, Any]] = []
     tick: Callable[[], None] | None = progress.poll if progress is not None else None
     try:
         with run_root.lock("run"):
             try:
-                done = _write_configs(run_root, cases)
+                same_config = _write_configs(run_root, cases)
                 for name, cfg in cases:
                     if stop.is_set():
                         break
                     cdir = run_root.case_dir(name)
-                    if name in done:
-                        statuses.append(done[name])
+                    state = case_state(cdir, cfg.steps, name in same_config)
+                    if state.reaped:
+                        print(f"[zbench] {name}: stopped {state.reaped} processes an earlier run left running",
+                              file=sys.stderr, flush=True)
+                    if state.completed is not None:
+                        statuses.append(state.completed)
                         if progress is not None:
-                            progress.case_finished(name, done[name])
+                            progress.case_finished(name, state.completed)
                         continue
-                    old = casedir.read_status(cdir)
-                    attempt = int(old.get("attempt", 0)) if old else 0
+                    attempt = state.next_attempt - 1
                     for retry in range(options.retries + 1):
                         attempt += 1
                         if progress is not None:
@@ -543,10 +531,20 @@ def run_cases(
                             break
                     statuses.append(outcome.status)
                     run_root.write_summary()
+            except OSError as err:
+                if err.errno not in DISK_ERRNOS:
+                    raise
+                raise RunRootError(_disk_error(err, run_root)) from err
             finally:
-                # Also after an error or an interrupt: the table on disk matches the case dirs.
-                run_root.write_summary()
-                run_root.update_manifest(ended_at=casedir.utc_now())
+                # Also after an error or an interrupt: the table on disk matches the case dirs. On a full or
+                # read-only disk these fail too; the atomic writes then leave the previous files as they were.
+                for write in (run_root.write_summary, lambda: run_root.update_manifest(ended_at=casedir.utc_now())):
+                    try:
+                        write()
+                    except OSError as err:
+                        if err.errno not in DISK_ERRNOS:
+                            raise
+                        print(f"[zbench] {_disk_error(err, run_root)}", file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -32,6 +33,10 @@ STACK_PIDS = "stack_pids"  # one line per engine process that prints its stack o
 RAY_TMPDIR_FILE = "ray_tmpdir"  # the Ray temp folder the engine used, so the harness can sweep its processes
 CKPT_DIR = "ckpt"
 CKPT_STATE = "state.json"  # inside ckpt/: written last, so a checkpoint counts only once this names it
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # every file of a run root, written whole or appended to: what open() would give
 
 STATUSES = ("pending", "running", "completed", "failed", "oom", "timeout", "interrupted")
 
@@ -71,6 +76,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would differ from the files appended to
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -119,6 +125,57 @@ def read_status(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 def read_result(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """``<case_dir>/result.json``; None if the engine never finished the case (or the file is unreadable)."""
     return read_json(Path(case_dir) / RESULT)
+
+
+def _load_checked(path: Path, required: Mapping[str, tuple[type, ...]]) -> dict[str, Any] | None:
+    """A JSON object from ``path`` holding ``required`` keys of the given types; None when the file is absent,
+    RunRootError naming the file when it is there but is not that (truncated, foreign)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunRootError(f"{path}: cannot read it ({err})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RunRootError(f"{path}: not valid JSON ({err}); truncated or not written "
+                           f"by zbench: move it aside to run the case again") from None
+    if not isinstance(obj, dict):
+        raise RunRootError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    for key, types in required.items():
+        value = obj.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise RunRootError(f"{path}: {key!r} is {value!r}, expected {' or '.join(t.__name__ for t in types)}; "
+                               f"not a zbench {path.name}: move it aside to run the case again")
+    return obj
+
+
+def load_status(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<case_dir>/status.json`` checked as resume needs it: None when absent, RunRootError when unreadable or
+    not a status zbench wrote (status one of STATUSES, attempt a positive integer)."""
+    path = Path(case_dir) / STATUS
+    status = _load_checked(path, {"status": (str,), "attempt": (int,)})
+    if status is not None and (status["status"] not in STATUSES or status["attempt"] < 1):
+        raise RunRootError(f"{path}: status {status['status']!r}, attempt {status['attempt']!r}: expected a status "
+                           f"among {', '.join(STATUSES)} and an attempt >= 1")
+    return status
+
+
+def load_result(case_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<case_dir>/result.json`` checked as resume needs it: None when absent, RunRootError when unreadable or
+    lacking the integer ``steps_completed`` and ``steps_target`` every engine result holds."""
+    return _load_checked(Path(case_dir) / RESULT, {"steps_completed": (int,), "steps_target": (int,)})
+
+
+def archived_attempts(case_dir: str | os.PathLike[str]) -> int:
+    """The highest attempt number whose files an attempt set aside (``metrics.attemptN.jsonl``), 0 if none."""
+    found = [0]
+    for p in Path(case_dir).glob("*.attempt*.*"):
+        m = re.fullmatch(r"(?:metrics|result)\.attempt(\d+)\.(?:jsonl|json)", p.name)
+        if m:
+            found.append(int(m.group(1)))
+    return max(found)
 
 
 class MetricsFile(NamedTuple):
@@ -199,6 +256,20 @@ def ray_tmpdir(case_dir: str | os.PathLike[str]) -> Path:
     """
     digest = hashlib.sha1(str(Path(case_dir).resolve()).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"zbench-ray-{digest}"
+
+
+def prepare_ray_tmpdir(path: Path) -> Path:
+    """Make the case's Ray folder (``ray_tmpdir``) private, 0700 and owned by this user, and return the folder
+    inside it to give Ray: Ray makes the folders it is given world-writable, so they live one level down.
+
+    Its name is predictable, in a shared temp dir: one that exists but is a link or someone else's is refused."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RunRootError(f"{path}: exists but is not a directory owned by this user; refusing to start Ray there")
+    os.chmod(path, 0o700)
+    return path / "ray"
 
 
 def record_ray_tmpdir(case_dir: str | os.PathLike[str], path: Path) -> None:

@@ -7,10 +7,12 @@ a ``lock`` while a run or resume is active, and one directory per case (its file
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -24,9 +26,9 @@ from zbench.config import ConfigError, RunConfig, load_case_config
 from zbench.env import collect_environment
 from zbench.runroot.casedir import (
     CONFIG,
+    FILE_MODE,
     RunRootError,
     atomic_write_json,
-    atomic_write_text,
     read_json,
     utc_now,
     validate_name,
@@ -169,7 +171,7 @@ class RunRoot:
             if not path.is_file():
                 raise RunRootError(f"{path} is missing: this case cannot be resumed (rerun the matrix instead)")
             try:
-                out.append((name, load_case_config(path)))
+                out.append((name, load_case_config(path, complete=True)))
             except ConfigError as e:
                 raise RunRootError(f"{e}; this case cannot be resumed as it is (rerun the matrix instead)") from None
         return out
@@ -194,30 +196,47 @@ class RunRoot:
 # ---------------------------------------------------------------- lock
 
 
-class RunLock:
-    """An exclusive lock file (pid, host, start time) guarding a run root against two concurrent runs.
+def _names_live_process(info: Mapping[str, Any]) -> bool:
+    """Whether lock details name a process that runs (on another host: assumed to)."""
+    if info.get("host") != socket.gethostname():
+        return bool(info.get("host"))
+    pid, started = info.get("pid"), info.get("started_unix")
+    try:
+        return isinstance(started, float) and abs(psutil.Process(pid).create_time() - started) < 0.01
+    except (psutil.Error, TypeError, ValueError):
+        return False
 
-    A lock left by a dead process on this host is taken over; one held by a live process is refused.
+
+class RunLock:
+    """An exclusive lock guarding a run root against two concurrent runs or resumes.
+
+    The lock is an ``flock`` on the ``lock`` file, held for as long as the process lives: the kernel releases it
+    when the holder dies however it dies, so a stale lock is never "taken over" by a race of readers, and of two
+    processes only one ever holds it. The file also names the holder (pid, host, start time, command), for the
+    message that refuses the other one.
     """
 
     def __init__(self, path: Path, command: str = "run") -> None:
         self.path = path
         self.command = command
         self.held = False
+        self._fd: int | None = None
 
-    def _holder_alive(self, info: Mapping[str, Any]) -> bool:
-        if info.get("host") != socket.gethostname():
-            return True  # cannot check another host's process: assume it is alive
-        pid = info.get("pid")
-        if not isinstance(pid, int) or not psutil.pid_exists(pid):
-            return False
-        try:
-            created = psutil.Process(pid).create_time()
-        except psutil.Error:
-            return False
-        # A pid reused by a process started after the lock was written is not the holder.
-        started = info.get("started_unix")
-        return not isinstance(started, (int, float)) or created <= started + 1.0
+    def _holder(self, wait_s: float = 2.0) -> dict[str, Any]:
+        """The holder's details; a holder that has just taken the lock may not have written them yet (the file
+        then is empty, or still names the dead process before it), so wait a moment for them."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holder = read_json(self.path) or {}
+            if _names_live_process(holder) or time.monotonic() > deadline:
+                return holder
+            time.sleep(0.02)
+
+    def _refusal(self) -> LockError:
+        holder = self._holder()
+        who = (f"pid {holder.get('pid')} on host {holder.get('host')} ({holder.get('command', 'run')} started "
+               f"{holder.get('started_at')})") if holder else "another process (still writing its details)"
+        return LockError(f"{self.path.parent} is in use by {who}; wait for it to finish or stop it")
 
     def acquire(self) -> RunLock:
         """Take the lock or raise LockError naming the holder's pid and host."""
@@ -225,41 +244,38 @@ class RunLock:
             "pid": os.getpid(), "host": socket.gethostname(), "started_at": utc_now(),
             "started_unix": psutil.Process().create_time(), "command": self.command,
         }  # fmt: skip
-        payload = json.dumps(info) + "\n"
-        for _ in range(3):
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = read_json(self.path)
-                if holder is None:
-                    # Torn or foreign content: a writer crashed between create and write.
-                    atomic_write_text(self.path, payload)
-                elif self._holder_alive(holder):
-                    raise LockError(
-                        f"{self.path.parent} is in use by pid {holder.get('pid')} on host {holder.get('host')} "
-                        f"({holder.get('command', 'run')} started {holder.get('started_at')}); wait for it to "
-                        f"finish or stop it; delete {self.path} only if that process is gone"
-                    ) from None
-                else:
-                    atomic_write_text(self.path, payload)  # stale lock: take it over
-                if read_json(self.path) == info:
-                    self.held = True
-                    return self
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._refusal() from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the holder released (and removed) the file between our open and flock: try afresh
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(payload)
-            self.held = True
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+                os.fsync(fd)
+            except OSError as err:  # a full or read-only disk: say which file
+                os.close(fd)
+                raise OSError(err.errno, err.strerror, str(self.path)) from None
+            self._fd, self.held = fd, True
             return self
-        raise LockError(f"{self.path}: could not take the lock; another process keeps replacing it")
+        raise LockError(f"{self.path}: could not take the lock; other processes keep taking and releasing it")
 
     def release(self) -> None:
-        """Remove the lock file if this process holds it."""
-        if self.held:
-            holder = read_json(self.path)
-            if holder is not None and holder.get("pid") == os.getpid():
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-            self.held = False
+        """Remove the lock file and release the lock, if this process holds it."""
+        if self.held and self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()  # while still locked: a waiting opener then sees a removed file and retries
+            os.close(self._fd)
+            self._fd, self.held = None, False
 
     def __enter__(self) -> RunLock:
         return self.acquire()
