@@ -3,14 +3,14 @@
 The package reads in the order data flows through it:
 
     cli.py      the command line (thin: parse, call one function, print)
-    harness/    matrix -> cases, one supervised process per case (launch), runner profiles, live progress
+    harness/    matrix -> cases, one supervised process per case (launch), runner profiles, progress, tune
     engine/     one case: Ray placement, DeepSpeed actor/critic, rollouts, the PPO/GRPO step loop
     runroot/    what a run leaves on disk: the case-directory contract, run root + lock, summary.tsv, merge, reading
     analyze/    reading run roots: curves, report, compare, parity, the ZeRO memory model
 
 beside the pieces every layer shares: the typed case config (config.py), the datasets and models a case trains
-(data.py, models.py), stack dumps of hung processes (stacks.py), the environment report (env.py) and the
-bare-DeepSpeed floors (bench.py).
+(data.py, models.py), stack dumps of hung processes and which processes belong to a case (stacks.py, procs.py), the
+environment report (env.py) and the bare-DeepSpeed floors (bench.py).
 """
 
 from __future__ import annotations
