@@ -588,13 +588,21 @@ def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
-    if complete:
-        missing = [k for k in dotted_keys() if not _has_dotted(data, k)]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ConfigError("", f"not a complete case config (truncated, or written by another zbench version): "
-                                  f"it lacks {shown}", str(path))
-    return from_dict(data, str(path))
+    missing = [k for k in dotted_keys() if not _has_dotted(data, k)] if complete else []
+    try:
+        cfg = from_dict(data, str(path))
+    except ConfigError as err:
+        # a key the file sets is named as it is; an error from a default standing in for a missing key is the
+        # missing key's fault
+        if not missing or (err.key and _has_dotted(data, err.key)):
+            raise
+        cfg = None
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError("", f"not a complete case config (truncated, or written by another zbench version): "
+                              f"it lacks {shown}", str(path))
+    assert cfg is not None
+    return cfg
 
 
 def _has_dotted(data: Mapping[str, Any], key: str) -> bool:
