@@ -41,9 +41,12 @@ PG_TIMEOUT = datetime.timedelta(minutes=30)  # DeepSpeed's default for its proce
 def join_process_group(backend: str, addr: str, port: int, rank: int, world_size: int,
                        device: Any = None) -> None:
     """Form torch.distributed's default group through a TCPStore whose server (on rank 0) listens at `addr` only;
-    torch's own store would listen on every interface. DeepSpeed then adopts the group as it finds it."""
+    torch's own store would listen on every interface. DeepSpeed then adopts the group as it finds it. A process
+    that already belongs to a default group (one process running several workers, as the benchmarks do) keeps it."""
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        return
     listen_fd = None
     if rank == 0:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
