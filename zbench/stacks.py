@@ -39,7 +39,7 @@ def enable_stack_dumps(case_dir: str | os.PathLike[str]) -> None:
 def registered(case_dir: Path) -> list[psutil.Process]:
     """The live processes recorded in `stack_pids` on this host (same pid and start time; workers of a Ray cluster
     on other nodes are out of reach)."""
-    procs = []
+    alive: list[psutil.Process] = []
     host = socket.gethostname()
     with contextlib.suppress(OSError):
         for line in (case_dir / STACK_PIDS).read_text().splitlines():
@@ -49,15 +49,15 @@ def registered(case_dir: Path) -> list[psutil.Process]:
             with contextlib.suppress(ValueError, psutil.Error):
                 p = psutil.Process(int(pid))
                 if abs(p.create_time() - float(created)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
-                    procs.append(p)
-    return procs
+                    alive.append(p)
+    return alive
 
 
-def request_stack_dumps(procs: list[psutil.Process], wait_s: float = 3.0) -> int:
+def request_stack_dumps(targets: list[psutil.Process], wait_s: float = 3.0) -> int:
     """Signal registered processes (`registered`) to print their stacks, wait `wait_s` for the output to reach the
     log, and return how many were signalled."""
     signalled = 0
-    for p in procs:
+    for p in targets:
         with contextlib.suppress(psutil.Error):
             p.send_signal(STACK_SIGNAL)
             signalled += 1
