@@ -61,9 +61,22 @@ class ModelConfig:
     # [experimental] CUDA: let training's attention use cuDNN (it builds a plan per new shape, and RL shapes vary)
     sdpa_cudnn: bool = False
     fused_ops: bool = True  # training models: RMSNorm and SwiGLU keep less for backward (zbench.engine.fused)
+    # actor and reference: the LM head yields log-probs and entropy in token chunks, never a micro-batch's whole
+    # logits or their gradient (zbench.engine.lm_head)
+    fused_head: bool = True
+    # torch.compile each decoder layer of the trained models (fused kernels): auto = on CUDA below ZeRO-3; always
+    # (CUDA only); never
+    compile_layers: str = "auto"
     # training and scoring forwards move each row's left padding behind its tokens and run attention with the causal
     # flag alone (flash kernels) instead of a padding mask (zbench.engine.batches.shift_padding_right)
     maskless_attention: bool = True
+
+    def compiles_layers(self, zero_stage: int, on_cuda: bool) -> bool:
+        """Whether the trained models' decoder layers are compiled (``auto``: on CUDA below ZeRO-3, where it was
+        measured faster; ZeRO-3's per-layer gathers left it no faster)."""
+        if self.compile_layers == "auto":
+            return on_cuda and zero_stage < 3
+        return self.compile_layers == "always"
 
     def precision(self, on_cuda: bool) -> str:
         """The training precision the engine uses: "bf16" or "fp32" (``auto``: bf16 on CUDA, fp32 on CPU)."""
@@ -71,6 +84,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
+        _choice("compile_layers", self.compile_layers, ("auto", "always", "never"))
         if not self.path:
             raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b', 'smollm2-135m' or a local Hugging Face model "
                                       "directory")

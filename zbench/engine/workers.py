@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload
-from zbench.engine import algos
+from zbench.engine import algos, lm_head
 from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
 from zbench.engine.cluster import free_port, join_process_group
 from zbench.engine.profiling import StepProfiler
@@ -108,6 +108,7 @@ class _Worker:
         torch.manual_seed(self.cfg.seed)
         self.device_peak_gb = 0.0
         self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
+        self.compiled_layers = 0  # decoder layers compiled (`model.compile_layers`)
         self.profiler = StepProfiler(self.on_cuda)
         self.choose_attention_kernels()
 
@@ -201,7 +202,23 @@ class _Worker:
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if self.cfg.model.compiles_layers(self.cfg.zero.stage, self.on_cuda):
+            self._compile_layers(model)
         return model
+
+    def _compile_layers(self, model: torch.nn.Module) -> None:
+        """`torch.compile` each decoder layer in place (`model.compile_layers`): the layers share one graph, shapes
+        are dynamic (an RL micro-batch's length changes every time)."""
+        if not self.on_cuda:
+            raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
+                                                      "CPU; use 'auto' or 'never'")
+        layers = getattr(response_decoder(model), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder `layers` list to "
+                                                      "compile; set it to false")
+        for layer in layers:
+            layer.compile(dynamic=True)
+        self.compiled_layers = len(layers)
 
     def _fuse(self, model: torch.nn.Module) -> None:
         """The lean RMSNorm and SwiGLU of `zbench.engine.fused`, unless `model.fused_ops` is off."""
@@ -284,7 +301,9 @@ class _Worker:
     def _forward_batches(self, batch: Batch, size: int) -> list[Batch]:
         """This rank's (host) batch as device micro-batches of `size` rows, laid out as `model.maskless_attention`
         says (`forward_batches`)."""
-        return [self._to_device(mb) for mb in forward_batches(batch, size, self.cfg.model.maskless_attention)]
+        # compiled layers specialise on whether the width is a multiple of 8: always one, so they compile once
+        align = 8 if self.compiled_layers else 1
+        return [self._to_device(mb) for mb in forward_batches(batch, size, self.cfg.model.maskless_attention, align)]
 
 
 class PolicyWorker(_Worker):
@@ -310,6 +329,7 @@ class PolicyWorker(_Worker):
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "cpu_threads": torch.get_num_threads(),
                 "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
+                "compiled_layers": self.compiled_layers,
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
@@ -374,8 +394,13 @@ class PolicyWorker(_Worker):
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs and, if asked, per-token entropy (with gradients only when it is in the loss)."""
         width = mb["responses"].shape[1]
-        out = model_outputs(model, mb, logits_to_keep=width + 1)
         temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        head = lm_head.fusable_head(model) if self.cfg.model.fused_head else None
+        if head is not None:  # the head itself returns (log-prob, entropy) per response token
+            with lm_head.head_computes_stats(head, mb["responses"], temperature, entropy, entropy_grad):
+                stats = model_outputs(model, mb, logits_to_keep=width + 1).logits
+            return stats[..., 0], stats[..., 1] if entropy else None
+        out = model_outputs(model, mb, logits_to_keep=width + 1)
         # chunked (and checkpointed under autograd): no float32 copy of the micro-batch's whole logits is kept
         return algos.token_logprobs_and_entropy(out.logits[:, :-1], mb["responses"], temperature,
                                                 with_entropy=entropy, entropy_grad=entropy_grad)
@@ -467,7 +492,7 @@ class CriticWorker(_Worker):
         config.classifier_dropout = 0.0
         model = self._load(AutoModelForTokenClassification, ds_cfg, config=config)
         self.engine = self._initialize(model, ds_cfg)
-        return {"optimizer": self.optimizer_name(), "fused_ops": self.fused}
+        return {"optimizer": self.optimizer_name(), "fused_ops": self.fused, "compiled_layers": self.compiled_layers}
 
     def _values(self, mb: Batch) -> torch.Tensor:
         width = mb["responses"].shape[1]

@@ -1,0 +1,171 @@
+"""The LM head and the token statistics an RL update needs, in one pass that never holds a micro-batch's logits.
+
+A policy's loss reads, per response token, the log-probability of the sampled token and (for the entropy bonus and
+its statistic) the entropy of the next-token distribution. The plain path computes `lm_head(hidden)` for the whole
+micro-batch (tokens x 152k bf16 logits for Qwen3, 5 GB at 32 sequences of 512 tokens, and as much again for their
+gradient) and then reduces it. `head_logprobs` instead projects `chunk_tokens` positions at a time, reduces each
+chunk to (log-prob, entropy) in float32 and drops it; backward projects each chunk again and turns the two
+statistics' gradients into the hidden states' and the head weight's gradients directly:
+
+    z = h Wᵀ / T,  p = softmax(z),  log p(y) = z_y − lse(z),  H = lse(z) − Σ p z
+    ∂ log p(y) / ∂z = onehot(y) − p,    ∂H / ∂z = −p ⊙ (z − lse(z) + H)
+
+The logits are rounded to the weight's dtype before the float32 reduction, as the plain path's bf16 `Linear` output
+is, so forward values match it; the weight's gradient is summed over chunks in float32.
+
+`model_head_stats` runs a Hugging Face causal LM (or a DeepSpeed engine around one) with its head computing these
+statistics in place of logits: the head module is called as usual, so ZeRO-3 gathers its (possibly tied) weight for
+forward and again for backward as it does for any `Linear`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 4096  # one chunk of Qwen3's bf16 logits: 4096 x 152k x 2 B = 1.2 GB
+
+# Attributes of a model config that change what the head returns beyond `hidden @ weight.T`: a model that sets any
+# of them takes the plain path.
+_HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+
+
+def _chunk_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, log p(labels), entropy or an empty tensor) of one chunk's logits [rows, V], in float32."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    ent = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1) if with_entropy else lse.new_empty(0)
+    return lse, logp, ent
+
+
+def _chunk_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
+                grad_logp: torch.Tensor, grad_ent: torch.Tensor, temperature: float,
+                entropy_grad: bool) -> torch.Tensor:
+    """The gradient of one chunk's logits [rows, V] (in their dtype) for the statistics' gradients [rows]:
+    dL/dz = gl (onehot - p) - ge p (log p + H), divided by the temperature."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    log_p = z - lse[:, None]
+    coef = grad_logp[:, None]
+    if entropy_grad:
+        coef = coef + grad_ent[:, None] * (log_p + ent[:, None])
+    vocab = torch.arange(z.shape[-1], device=z.device)
+    g = torch.where(vocab[None] == labels[:, None], grad_logp[:, None], 0.0) - torch.exp(log_p) * coef
+    if temperature != 1.0:
+        g = g / temperature
+    return g.to(logits.dtype)
+
+
+_compiled: dict[str, Any] = {}
+
+
+def _kernels(device: torch.device) -> tuple[Any, Any]:
+    """The two per-chunk reductions: on CUDA compiled (each a fused pass over the chunk's bf16 logits instead of a
+    dozen float32 passes), eager elsewhere."""
+    if device.type != "cuda":
+        return _chunk_stats, _chunk_grad
+    if not _compiled:
+        _compiled["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _compiled["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _compiled["stats"], _compiled["grad"]
+
+
+class _HeadStats(torch.autograd.Function):
+    """(log p(labels), entropy) of softmax(hidden @ weight.T / temperature), chunk by chunk: one chunk's logits (and,
+    in backward, their gradient) live at a time; the matmuls are the head's own, in its dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                with_entropy: bool, entropy_grad: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        stats, _ = _kernels(hidden.device)
+        parts = [stats(hidden[s : s + chunk] @ weight.t(), labels[s : s + chunk], temperature, with_entropy)
+                 for s in range(0, hidden.shape[0], chunk)]
+        lse, logp, ent = (torch.cat(p) for p in zip(*parts, strict=True))
+        ctx.save_for_backward(hidden, weight, labels, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None,
+                 grad_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, labels, lse, ent = ctx.saved_tensors
+        _, grad_of_logits = _kernels(hidden.device)
+        entropy_grad = ctx.entropy_grad and grad_ent is not None
+        grad_logp = grad_logp if grad_logp is not None else torch.zeros_like(lse)
+        grad_ent = grad_ent if entropy_grad else lse
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(s, s + ctx.chunk)
+            g = grad_of_logits(hidden[rows] @ weight.t(), labels[rows], lse[rows],
+                               ent[rows] if entropy_grad else lse[rows], grad_logp[rows], grad_ent[rows],
+                               ctx.temperature, entropy_grad)
+            if grad_hidden is not None:
+                grad_hidden[rows] = g @ weight
+            if grad_weight is not None:
+                grad_weight.add_(g.t() @ hidden[rows])
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, \
+            None
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False, entropy_grad: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of `labels` ([..., T]) under softmax(hidden @ weight.T / temperature) and, if asked, the
+    entropy (with gradients only if `entropy_grad`), both float32 [..., T], from `hidden` [..., T, H] without ever
+    holding more than `chunk_tokens` rows of logits."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)} (expected "
+                         f"labels.shape + (hidden,))")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _HeadStats.apply(flat, weight, labels.reshape(-1), float(temperature), with_entropy, entropy_grad,
+                                 chunk_tokens)
+    return logp.reshape(labels.shape), ent.reshape(labels.shape) if with_entropy else None
+
+
+def fusable_head(model: Any) -> torch.nn.Module | None:
+    """The plain `Linear` (no bias) head of a Hugging Face causal LM, or a DeepSpeed engine around one, whose logits
+    are exactly `hidden @ weight.T`; None where the head is anything else (a bias, a scale, a soft cap)."""
+    module = getattr(model, "module", model)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    config = getattr(module, "config", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _HEAD_MODIFIERS):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def head_computes_stats(head: torch.nn.Module, labels: torch.Tensor, temperature: float, with_entropy: bool,
+                        entropy_grad: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[None]:
+    """Within the block, `head` called on hidden states [B, R + 1, H] (a causal LM's last R + 1 positions) returns
+    the statistics of `labels` [B, R] at the first R positions, stacked [B, R, 2] (log-prob, entropy; entropy 0
+    without `with_entropy`), in place of logits."""
+
+    def stats_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] != labels.shape[1] + 1:
+            raise ValueError(f"the head saw {hidden.shape[1]} positions, expected {labels.shape[1] + 1} "
+                             "(the responses and the position before them)")
+        logp, ent = head_logprobs(hidden[:, :-1], head.weight, labels, temperature, with_entropy, entropy_grad,
+                                  chunk_tokens)
+        return torch.stack((logp, ent if ent is not None else torch.zeros_like(logp)), dim=-1)
+
+    head.forward = stats_forward  # an instance attribute: hooks (ZeRO-3's gathers) still run around it
+    try:
+        yield
+    finally:
+        del head.forward
