@@ -113,6 +113,26 @@ def test_maskless_layout_gives_the_masked_log_probs_and_gradients():
 
 
 @torch.no_grad()
+def test_aligned_widths_give_the_same_log_probs():
+    """Widths rounded up to a multiple of 8 (as compiled layers get them), in both layouts, including a width beyond
+    the batch's own (22 -> 24): the same log-probs as the unaligned masked layout."""
+    model = _tiny_pair("lm")[0]
+    worker = SimpleNamespace(cfg=from_dict({}))
+    batch = _batch()
+    assert batch["input_ids"].shape[1] == 22
+    reference = torch.cat([PolicyWorker._logprobs(worker, model, mb)[0]
+                           for mb in forward_batches(batch, 3)]) * batch["response_mask"]
+    for maskless in (False, True):
+        for size in (3, 6):
+            mbs = forward_batches(batch, size, maskless=maskless, align=8)
+            assert all(mb["input_ids"].shape[1] % 8 == 0 for mb in mbs)
+            logp = torch.cat([PolicyWorker._logprobs(worker, model, mb)[0] for mb in mbs]) * batch["response_mask"]
+            assert torch.allclose(logp, reference, atol=1e-5), (maskless, size)
+    wide = forward_batches(batch, 6, align=8)[0]
+    assert wide["input_ids"].shape[1] == 24 and not wide["attention_mask"][:, :2].any()  # masked columns in front
+
+
+@torch.no_grad()
 def test_maskless_layout_gives_the_masked_values():
     """The critic's value head reads the same positions in both layouts."""
     masked, maskless = _tiny_pair("value")

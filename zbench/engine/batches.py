@@ -71,17 +71,29 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
-def trim_left_padding(mb: Batch) -> Batch:
+def _aligned(width: int, align: int) -> int:
+    return -(-width // align) * align
+
+
+def trim_left_padding(mb: Batch, align: int = 1) -> Batch:
     """Drop the leading columns that are padding in every row. Prompts are left-padded to the step's longest;
     a micro-batch's own longest is usually shorter, and those columns would be computed for nothing. Positions
-    and masks of the remaining tokens are unchanged, so the outputs are too."""
+    and masks of the remaining tokens are unchanged, so the outputs are too. With `align`, the width kept is
+    rounded up to a multiple of it (more padding on the left, masked, where the batch is narrower)."""
+    width = mb["attention_mask"].shape[1]
     first = int(mb["attention_mask"].any(0).int().argmax())  # every row has a prompt token: a column has one
-    if first == 0:
+    keep = _aligned(width - first, align)
+    if keep > width:  # wider than the batch: masked columns in front
+        extra = keep - width
+        return {k: torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1)
+                if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
+    if keep == width:
         return mb
-    return {k: v[:, first:] if k in ("input_ids", "attention_mask", "position_ids") else v for k, v in mb.items()}
+    return {k: v[:, width - keep :] if k in ("input_ids", "attention_mask", "position_ids") else v
+            for k, v in mb.items()}
 
 
-def shift_padding_right(mb: Batch) -> Batch:
+def shift_padding_right(mb: Batch, align: int = 1) -> Batch:
     """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and drop the
     columns that are padding in every row, so that a forward needs no padding mask: with causal attention no
     token sees a later column, so trailing padding is never attended. Attention then runs with the causal flag
@@ -90,13 +102,15 @@ def shift_padding_right(mb: Batch) -> Batch:
 
     The mask and positions are replaced by `hidden_index` [rows, R + 1] (R = response width): where the last
     R + 1 columns of the left-padded layout, the last prompt token and the response, now sit in each row. Those
-    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there."""
+    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there. With
+    `align`, the width is rounded up to a multiple of it: the extra columns come after every row's tokens, where
+    causal attention never reads them and no kept position lies."""
     mask, responses = mb["attention_mask"], mb["responses"]
     width, resp = mask.shape[1], responses.shape[1]
     prompt_width = width - resp
     prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
     pad = prompt_width - prompt_len
-    keep = width - int(pad.min())
+    keep = _aligned(width - int(pad.min()), align)
     cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
     out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
     out["input_ids"] = mb["input_ids"].gather(1, cols)
@@ -109,9 +123,10 @@ def forward_micro(section: Any) -> int:
     return section.forward_micro_batch_size_per_gpu or section.micro_batch_size_per_gpu
 
 
-def forward_batches(batch: Batch, size: int, maskless: bool = False) -> list[Batch]:
+def forward_batches(batch: Batch, size: int, maskless: bool = False, align: int = 1) -> list[Batch]:
     """`micro_batches` of `size` rows, each laid out for a forward: trimmed of its all-padding prompt columns,
-    or with `maskless` (`model.maskless_attention`) by `shift_padding_right`. Meant for the host copy of a
-    batch: the layout is read from the mask without waiting on the GPU."""
+    or with `maskless` (`model.maskless_attention`) by `shift_padding_right`, `align` columns wide or a multiple
+    of that (compiled layers: one graph for every width). Meant for the host copy of a batch: the layout is read
+    from the mask without waiting on the GPU."""
     layout = shift_padding_right if maskless else trim_left_padding
-    return [layout(mb) for mb in micro_batches(batch, size)]
+    return [layout(mb, align) for mb in micro_batches(batch, size)]

@@ -352,7 +352,8 @@ class Trainer:
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
-                "fused_ops": self.info.get("fused_ops"), "trackers": trackers.close(completed),
+                "fused_ops": self.info.get("fused_ops"), "compiled_layers": self.info.get("compiled_layers"),
+                "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
             }
             self.records.result(result)
