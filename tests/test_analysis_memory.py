@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import (
@@ -12,9 +14,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
 )
+from typer.testing import CliRunner
 
 from zbench.analyze.memory import estimate_case, model_states
 from zbench.analyze.model_size import model_size
+from zbench.cli import app
 from zbench.config import from_dict
 from zbench.harness.matrix import expand, load_matrix
 
@@ -126,3 +130,34 @@ def test_estimate_cli_counts_with_transformers_in_the_engines_precision(tmp_path
     assert [(r[5], r[6]) for r in rows] == [("bf16", "596,049,920")] * 2
     bad = zbench(tmp_path / "nope")
     assert bad.returncode == 2 and "nope does not exist: give a run root" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_estimate_says_which_qwen3_8b_cases_fit_an_h200():
+    """GRPO's ddp-vs-zero on the Qwen3-8B preset, 2 ranks, as it would run on CUDA with vLLM, against one 141 GB
+    GPU: without checkpointing the activations of micro-batch 8 sink every case without offload; with it ZeRO-1 and
+    up fit and DDP does not. The parts add up to the peak; `--set` on a run root is refused."""
+    from zbench.analyze.activations import geometry_memory
+    from zbench.analyze.memory import target_cases
+    from zbench.config import parse_set
+
+    sets = ["model.path=qwen3-8b", "algorithm=grpo", "rollout.n=4", "trainer.train_batch_size=64",
+            "actor.ppo_mini_batch_size=64", "data.max_prompt_length=512", "rollout.max_new_tokens=512",
+            "actor.micro_batch_size_per_gpu=8", "rollout.backend=vllm", "rollout.kv_cache_fit=true"]
+    runner = CliRunner()
+    res = runner.invoke(app, ["estimate", "ddp-vs-zero", "--device", "cuda", "--device-memory", "141",
+                              *[a for s in sets for a in ("--set", s)]])
+    assert res.exit_code == 0, res.output
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[1:13]}
+    assert len(rows) == 12 and {r[6] for r in rows.values()} == {"8,190,735,360"}
+    fits = {name: r[-1] for name, r in rows.items()}
+    assert fits["zero0_ac"] == "no" and fits["zero1_ac"] == fits["zero2_ac"] == fits["zero3_ac"] == "yes"
+    assert [fits[f"zero{s}_no_ac"] for s in (0, 1, 2, 3)] == ["no"] * 4
+    assert fits["zero3_cpu_offload_no_ac"] == "yes"
+    [(_, cfg, cuda)] = target_cases("ddp-vs-zero", True, tuple(parse_set(s) for s in sets), ("zero3_ac",))
+    g = geometry_memory(cfg, cuda, 141 * 2**30)
+    r = rows["zero3_ac"]
+    assert float(r[-2]) == pytest.approx(g.peak_gb, abs=0.01)
+    assert float(r[7]) + float(r[10]) + float(r[11]) == pytest.approx(float(r[-2]), abs=0.03)  # states+passes+KV
+    assert g.kv_cache > 0  # vLLM's fitted cache is part of the peak
+    refused = runner.invoke(app, ["estimate", str(Path(__file__).parent), "--set", "model.path=qwen3-8b"])
+    assert refused.exit_code == 2 and "--set and --cases apply to a matrix" in refused.output

@@ -168,15 +168,16 @@ def test_the_memory_model_of_a_geometry() -> None:
     from zbench.config import RunConfig, from_dict
     from zbench.engine.vllm_rollout import fitted_kv_cache_bytes
 
-    def cfg(**sections: dict) -> RunConfig:
-        return from_dict({"model": {"path": "qwen3-0.6b"}, "trainer": {"world_size": 2, "train_batch_size": 8},
+    def cfg(**sections: dict) -> RunConfig:  # the plain head: its logits grow with the micro-batch
+        return from_dict({"model": {"path": "qwen3-0.6b", "fused_head": False},
+                          "trainer": {"world_size": 2, "train_batch_size": 8},
                           "algorithm": "grpo", "rollout": {"n": 4, "max_new_tokens": 256},
                           "actor": {"ppo_mini_batch_size": 8, **sections.get("actor", {})},
                           **{k: v for k, v in sections.items() if k != "actor"}})
 
     plain = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 4}), on_cuda=True)
     double = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 8}), on_cuda=True)
-    ckpt = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 8}, model={"path": "qwen3-0.6b",
+    ckpt = geometry_memory(cfg(actor={"micro_batch_size_per_gpu": 8}, model={"path": "qwen3-0.6b", "fused_head": False,
                                                                            "gradient_checkpointing": True}),
                            on_cuda=True)
     assert plain.states == estimate_case(cfg(), on_cuda=True).gpu_bytes  # the ZeRO model's figure, unchanged
@@ -193,6 +194,12 @@ def test_the_memory_model_of_a_geometry() -> None:
     share = geometry_memory(cfg(rollout={"n": 4, "backend": "vllm"}), on_cuda=True, device_bytes=100 * 2**30)
     assert share.kv_cache == int(0.35 * 100 * 2**30)
     assert geometry_memory(cfg(), on_cuda=False).kv_cache == 0  # no vLLM on CPU
+    # the fused head holds one chunk of logits, whatever the micro-batch: (256 + 256) x 8 tokens fit in one chunk
+    fused = [geometry_memory(cfg(actor={"micro_batch_size_per_gpu": b}, model={"path": "qwen3-0.6b"}), on_cuda=True)
+             for b in (8, 16)]
+    head = 4096 * 151936 * 8
+    assert fused[0].training == double.training - 8 * 512 * 151936 * 8 + head
+    assert fused[1].training - fused[0].training == (double.training - plain.training - 4 * 512 * 151936 * 8) * 2
 
 
 def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:

@@ -319,7 +319,7 @@ def data_synthetic(
 
 @app.command()
 def model(
-    spec: Annotated[str, typer.Argument(help="tiny (the embedded default), qwen3-0.6b (shape preset) or "
+    spec: Annotated[str, typer.Argument(help="tiny (the embedded default), qwen3-0.6b / qwen3-8b (shape presets) or "
                                              "smollm2-135m (a packaged real checkpoint).")],
 ) -> None:
     """Build an embedded or packaged model into the cache now (runs build them on first use); print its folder."""
@@ -333,7 +333,7 @@ def model(
 
 @bench_app.command("floor")
 def bench_floor(
-    model: Annotated[str | None, typer.Option(help="tiny, qwen3-0.6b, or a local model directory [tiny].")] = None,
+    model: Annotated[str | None, typer.Option(help="tiny, qwen3-0.6b, qwen3-8b, or a local model directory [tiny].")] = None,
     stage: Annotated[list[int] | None, typer.Option(help="ZeRO stage; repeat to measure several [2].")] = None,
     offload: Annotated[list[str] | None, typer.Option(
         help="none, cpu, nvme or auto; repeat to measure several (every stage with every offload) [none].")] = None,
@@ -406,7 +406,7 @@ def _emit(results: list[dict], out: Path | None) -> None:
 
 @bench_app.command("gen")
 def bench_gen(
-    model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, or a local model directory.")] = "tiny",
+    model: Annotated[str, typer.Option(help="tiny, qwen3-0.6b, qwen3-8b, or a local model directory.")] = "tiny",
     prompts: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 64,
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens.")] = 100,
     new_tokens: Annotated[int, typer.Option(min=1, help="Generated tokens per prompt (forced).")] = 512,

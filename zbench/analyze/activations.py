@@ -7,7 +7,8 @@ The terms are upper bounds at full length (every sequence `data.max_prompt_lengt
   projections and the SwiGLU MLP (about 4h + 4q + 2kv + 4i elements at training precision); with activation
   checkpointing only each layer's input (h) stays, plus one layer recomputed at a time;
 - the actor's head makes fp32 logits and their log-softmax over the vocabulary (2 x 4 bytes per token and entry),
-  in the training passes and in the gradient-free ones (log-probs of the actor and reference) alike;
+  in the training passes and in the gradient-free ones (log-probs of the actor and reference) alike: for the whole
+  micro-batch, or with `model.fused_head` for one chunk of `zbench.engine.lm_head.DEFAULT_CHUNK_TOKENS` at most;
 - vLLM's KV cache: fitted to one rollout (`rollout.kv_cache_fit`, as `zbench.engine.vllm_rollout` sizes it), or the
   share `rollout.gpu_memory_utilization` of the device.
 
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
 from zbench.analyze.model_size import model_config
 from zbench.config import RunConfig
+from zbench.engine.lm_head import DEFAULT_CHUNK_TOKENS
 
 LOGIT_BYTES = 2 * 4  # fp32 logits and their log-softmax, per token and vocabulary entry
 
@@ -86,16 +88,19 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     states = est.gpu_bytes if on_cuda else est.gpu_bytes + est.cpu_bytes
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     layer = _layer_elements(d) * p
-    logits = seq * d.vocab_size * LOGIT_BYTES
+
+    def logits(b: int) -> int:
+        tokens = b * seq if not cfg.model.fused_head else min(b * seq, DEFAULT_CHUNK_TOKENS)
+        return tokens * d.vocab_size * LOGIT_BYTES
 
     def train(b: int, with_logits: bool) -> int:
         kept = d.num_layers * seq * b * (d.hidden_size * p if cfg.model.gradient_checkpointing else layer)
         working = seq * b * layer if cfg.model.gradient_checkpointing else 0
-        return kept + working + (b * logits if with_logits else 0)
+        return kept + working + (logits(b) if with_logits else 0)
 
     training = train(cfg.actor.micro_batch_size_per_gpu, True)
     forward_actor = cfg.actor.forward_micro_batch_size_per_gpu or cfg.actor.micro_batch_size_per_gpu
-    forward = forward_actor * (seq * layer + logits)
+    forward = forward_actor * seq * layer + logits(forward_actor)
     if cfg.needs_critic:
         training = max(training, train(cfg.critic.micro_batch_size_per_gpu, False))
         forward_critic = cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.micro_batch_size_per_gpu

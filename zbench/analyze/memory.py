@@ -132,9 +132,11 @@ def estimate_case(cfg: RunConfig, base_dir: Path | None = None, name: str = "",
     )
 
 
-def estimate_target(target: str | Path) -> list[CaseEstimate]:
-    """Estimates of every case of a run root (a directory with a manifest: the configs it ran, on the device it
-    ran on) or of a matrix (a shipped name or a YAML file: its cases as they would run on this machine)."""
+def target_cases(target: str | Path, on_cuda: bool | None = None, sets: tuple[tuple[str, object], ...] = (),
+                 case_globs: tuple[str, ...] = ()) -> list[tuple[str, RunConfig, bool]]:
+    """(name, config, on CUDA) of every case of a run root (a directory with a manifest: the configs it ran, on the
+    device it ran on) or of a matrix (a shipped name or a YAML file: its cases, with `sets` and only those matching
+    `case_globs`, as they would run on this machine, or on CUDA or not as `on_cuda` says)."""
     from zbench.runroot.read import load_run_root, read_case_config
 
     path = Path(target)
@@ -143,9 +145,15 @@ def estimate_target(target: str | Path) -> list[CaseEstimate]:
                          "matrix name (zbench matrices) or a matrix YAML file")
     if path.is_dir():
         run = load_run_root(path)
-        on_cuda = run.device == "cuda"
-        return [estimate_case(read_case_config(c.dir), base_dir=c.dir, name=c.name, on_cuda=on_cuda)
-                for c in run.cases]
+        return [(c.name, read_case_config(c.dir), run.device == "cuda") for c in run.cases]
     from zbench.harness.matrix import expand, load_matrix
 
-    return [estimate_case(c.config, name=c.name) for c in expand(load_matrix(str(target)))]
+    return [(c.name, c.config, c.config.trainer.uses_cuda() if on_cuda is None else on_cuda)
+            for c in expand(load_matrix(str(target)), sets=sets, case_globs=case_globs)]
+
+
+def estimate_target(target: str | Path, on_cuda: bool | None = None) -> list[CaseEstimate]:
+    """`estimate_case` of every case of `target_cases(target, on_cuda)`."""
+    base = Path(target) if Path(target).is_dir() else None
+    return [estimate_case(cfg, base_dir=base / name if base else None, name=name, on_cuda=cuda)
+            for name, cfg, cuda in target_cases(target, on_cuda)]
