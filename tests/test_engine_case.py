@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from zbench.config import dump_yaml, from_dict
+from zbench.runroot import casedir
 
 # names DESIGN promises every PPO step records (memory on GPU only; MFU only with a known GPU)
 PPO_METRICS = {
@@ -45,6 +46,7 @@ def train(case: Path, timeout: int = 900) -> None:
                          timeout=timeout)
     (case / "train.log").write_text(res.stdout + res.stderr)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    assert not casedir.ray_tmpdir(case).exists()  # its private Ray's folder went with it, launcher or not
 
 
 def records(case: Path) -> list[dict[str, float]]:

@@ -34,7 +34,7 @@ from zbench.engine.faults import maybe_inject
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
-from zbench.procs import watch_supervisor
+from zbench.procs import remove_ray_tmpdir, watch_supervisor
 from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
@@ -377,6 +377,8 @@ class Trainer:
         if getattr(self, "placement", None) is not None:
             self.placement.remove()
         ray.shutdown()
+        # a private Ray's folder goes with it, also when the engine runs without the launcher (which removes it too)
+        remove_ray_tmpdir(self.case_dir)
 
 
 def main(case_dir: str) -> int:
