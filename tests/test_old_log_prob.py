@@ -106,7 +106,9 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     case = make_case(tmp_path, "grpo", steps=2, algorithm="grpo", rollout__n=4, zero__stage=2,
                      actor__micro_batch_size_per_gpu=8)
     train(case, timeout=600)
-    assert json.loads((case / "result.json").read_text())["old_log_prob_pass"] is False
+    result = json.loads((case / "result.json").read_text())
+    assert result["old_log_prob_pass"] is False
+    assert result["fused_head"] is True and result["compiled_layers"] == 0  # what took effect (CPU: eager layers)
     for rec in records(case):
         assert "timing_s/old_log_prob" not in rec
         assert rec["actor/ppo_kl"] == 0 and rec["actor/pg_clipfrac"] == 0

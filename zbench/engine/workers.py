@@ -330,6 +330,8 @@ class PolicyWorker(_Worker):
                 "cpu_threads": torch.get_num_threads(),
                 "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
                 "compiled_layers": self.compiled_layers,
+                # the head computes log-probs itself only where it is a plain Linear (zbench.engine.lm_head)
+                "fused_head": cfg.model.fused_head and lm_head.fusable_head(self.engine) is not None,
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
