@@ -72,7 +72,7 @@ CASES: list[tuple[list[str], str]] = [
     (["data", "gsm8k", "--src", "{bad}/nosuch.jsonl"], "nosuch.jsonl: no such file"),
     (["data", "synthetic", "--out", "{bad}/a_file"], "a_file: is a file where a folder is needed"),
     (["data", "synthetic", "--n-train", "-5", "--out", "{bad}/out2"], "Invalid value for '--n-train': Input should be greater than or equal to 1"),
-    (["model", "{bad}/empty"], "has no config.json; give 'tiny', 'qwen3-0.6b', 'smollm2-135m' or a local"),
+    (["model", "{bad}/empty"], "has no config.json; give 'tiny', 'qwen3-0.6b', 'qwen3-8b', 'smollm2-135m' or a local"),
     (["bench", "floor", "--stage", "7"], "stage: 7 is not one of 0, 1, 2, 3"),
     (["bench", "floor", "--seqs", "0"], "Invalid value for '--seqs': Input should be greater than or equal to 1"),
     (["bench", "floor", "--like", "{bad}/empty"], "not a run root"),
