@@ -1,4 +1,4 @@
-"""The LM head and the token statistics an RL update needs, in one pass that never holds a micro-batch's logits.
+"""The LM head and the token statistics an RL update needs, chunk by chunk, never holding a micro-batch's logits.
 
 A policy's loss reads, per response token, the log-probability of the sampled token and (for the entropy bonus and
 its statistic) the entropy of the next-token distribution. The plain path computes `lm_head(hidden)` for the whole
@@ -13,8 +13,8 @@ statistics' gradients into the hidden states' and the head weight's gradients di
 The logits are rounded to the weight's dtype before the float32 reduction, as the plain path's bf16 `Linear` output
 is, so forward values match it; the weight's gradient is summed over chunks in float32.
 
-`model_head_stats` runs a Hugging Face causal LM (or a DeepSpeed engine around one) with its head computing these
-statistics in place of logits: the head module is called as usual, so ZeRO-3 gathers its (possibly tied) weight for
+Within `head_computes_stats`, a Hugging Face causal LM (or a DeepSpeed engine around one) returns these statistics
+from its head in place of logits (`fusable_head` says which heads qualify): the head module is called as usual, so ZeRO-3 gathers its (possibly tied) weight for
 forward and again for backward as it does for any `Linear`.
 """
 
@@ -68,8 +68,8 @@ _compiled: dict[str, Any] = {}
 
 
 def _kernels(device: torch.device) -> tuple[Any, Any]:
-    """The two per-chunk reductions: on CUDA compiled (each a fused pass over the chunk's bf16 logits instead of a
-    dozen float32 passes), eager elsewhere."""
+    """The two per-chunk reductions: on CUDA compiled (fused kernels that read the chunk's bf16 logits once or twice
+    instead of a dozen float32 passes), eager elsewhere."""
     if device.type != "cuda":
         return _chunk_stats, _chunk_grad
     if not _compiled:
