@@ -7,14 +7,17 @@
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 bash results/reference/gpu.sh prep > "$out/prep.log" 2>&1
-s2=zero.stage=2; s3=zero.stage=3; ck=model.gradient_checkpointing=true; plain=model.fused_head=false
+# every variant names its layers: eager (model.compile_layers=never, the engine before compiled layers), or compiled
+# where a variant adds $cl (the later setting of a key wins)
+s2=zero.stage=2,model.compile_layers=never; s3=zero.stage=3,model.compile_layers=never
+ck=model.gradient_checkpointing=true; plain=model.fused_head=false
 mb() { echo "actor.micro_batch_size_per_gpu=$1"; }
 z2=(--variant "z2-mb8-plain:$s2,$(mb 8),$plain" --variant "z2-mb8:$s2,$(mb 8)" --variant "z2-mb16:$s2,$(mb 16)"
     --variant "z2-mb32:$s2,$(mb 32)" --variant "z2-mb32-ckpt-plain:$s2,$(mb 32),$ck,$plain"
     --variant "z2-mb32-ckpt:$s2,$(mb 32),$ck" --variant "z2-mb64-ckpt:$s2,$(mb 64),$ck")
 z3=(--variant "z3-mb16-plain:$s3,$(mb 16),$plain" --variant "z3-mb16:$s3,$(mb 16)"
     --variant "z3-mb32-ckpt:$s3,$(mb 32),$ck" --variant "z3-mb64-ckpt:$s3,$(mb 64),$ck")
-cl=model.compile_layers=true
+cl=model.compile_layers=always
 compiled=(--variant "z2-mb8:$s2,$(mb 8)" --variant "z2-mb16:$s2,$(mb 16)" --variant "z2-mb16-compile:$s2,$(mb 16),$cl"
           --variant "z2-mb32-ckpt:$s2,$(mb 32),$ck" --variant "z2-mb32-ckpt-compile:$s2,$(mb 32),$ck,$cl"
           --variant "z3-mb64-ckpt:$s3,$(mb 64),$ck" --variant "z3-mb64-ckpt-compile:$s3,$(mb 64),$ck,$cl")
