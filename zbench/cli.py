@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zbench import __version__
+from zbench.cli_analysis import CasesOpt, SetOpt
 from zbench.config import ConfigError, dump_yaml, parse_set
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,15 +28,6 @@ bench_app = typer.Typer(no_args_is_help=True, help="Floors to measure the engine
 app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay one line: greppable, copyable
-
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help=(
-    "Override a config key for every case: key=value (e.g. rollout.max_new_tokens=256, model.path=/models/qwen3); "
-    "a key a case's name stands for (a matrix axis, e.g. zero.stage) is refused: choose cases with --cases."))]
-
-
-CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated "
-                                                   "(e.g. 'zero3_*,zero2_cpu_offload').")]
-
 
 def fail(message: str, code: int = 2) -> None:
     """Print an error (no traceback) and exit."""

@@ -8,9 +8,15 @@ from typing import Annotated
 
 import typer
 
-from zbench.cli import CasesOpt, SetOpt
 from zbench.config import parse_set
 from zbench.runroot.read import RunRootError
+
+# options the run-side commands (zbench.cli) share with `estimate`; defined here, the module zbench.cli imports
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help=(
+    "Override a config key for every case: key=value (e.g. rollout.max_new_tokens=256, model.path=/models/qwen3); "
+    "a key a case's name stands for (a matrix axis, e.g. zero.stage) is refused: choose cases with --cases."))]
+CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these globs, comma-separated "
+                                                   "(e.g. 'zero3_*,zero2_cpu_offload').")]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
