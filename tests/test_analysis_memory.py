@@ -47,7 +47,7 @@ def test_any_causal_lm_architecture_is_counted_from_its_own_config(tmp_path):
               intermediate_size=64).save_pretrained(tmp_path / "vit")
     with pytest.raises(ValueError, match=r"\(vit\) is not a causal language model"):
         model_size(str(tmp_path / "vit"))
-    with pytest.raises(ValueError, match=r"has no config\.json; give 'tiny', 'qwen3-0\.6b', 'smollm2-135m' or a local"):
+    with pytest.raises(ValueError, match=r"has no config\.json; give 'tiny', 'qwen3-0\.6b', 'qwen3-8b', 'smollm2-135m' or a local"):
         model_size(str(tmp_path))
 
 
