@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zbench import __version__
-from zbench.cli_analysis import CasesOpt, SetOpt
-from zbench.config import ConfigError, dump_yaml, parse_set
+from zbench.cli_analysis import CasesOpt, SetOpt, parse_globs, parse_sets
+from zbench.config import ConfigError, dump_yaml
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Which DeepSpeed ZeRO configuration for RL post-training, and what each costs.")
@@ -33,14 +33,6 @@ def fail(message: str, code: int = 2) -> None:
     """Print an error (no traceback) and exit."""
     err_console.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(code)
-
-
-def _sets(items: list[str] | None) -> tuple[tuple[str, object], ...]:
-    return tuple(parse_set(i) for i in items or [])
-
-
-def _globs(cases: str | None) -> tuple[str, ...]:
-    return tuple(g.strip() for g in (cases or "").split(",") if g.strip())
 
 
 def _print_version(asked: bool) -> None:
@@ -83,7 +75,7 @@ def show(
     from zbench.harness.matrix import expand, load_matrix
 
     try:
-        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=_sets(set_), case_globs=_globs(cases))
+        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=parse_sets(set_), case_globs=parse_globs(cases))
     except ConfigError as err:
         fail(str(err))
     if full:
@@ -170,8 +162,8 @@ def run(
     from zbench.runroot.casedir import RunRootError
 
     try:
-        req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=_sets(set_),
-                         case_globs=_globs(cases), tag=tag,
+        req = RunRequest(matrix=matrix, seed=seed, steps=steps, sets=parse_sets(set_),
+                         case_globs=parse_globs(cases), tag=tag,
                          results_dir=results_dir, runner=runner, case_timeout_s=case_timeout,
                          step_timeout_s=step_timeout, retries=retries)
         if dry_run:
@@ -214,7 +206,7 @@ def tune(
     from zbench.runroot.tuning import TUNED, TUNING
 
     try:
-        req = TuneRequest(matrix=matrix, sets=_sets(set_), seed=seed, steps=steps, tag=tag, results_dir=results_dir,
+        req = TuneRequest(matrix=matrix, sets=parse_sets(set_), seed=seed, steps=steps, tag=tag, results_dir=results_dir,
                           case_globs=tuple(g.strip() for g in (cases or "").split(",") if g.strip()),
                           memory_budget_gb=memory_budget, time_budget_s=time_budget, runner=runner,
                           step_timeout_s=step_timeout)

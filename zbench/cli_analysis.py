@@ -19,6 +19,16 @@ CasesOpt = Annotated[str | None, typer.Option(help="Only cases matching these gl
                                                    "(e.g. 'zero3_*,zero2_cpu_offload').")]
 
 
+def parse_sets(items: list[str] | None) -> tuple[tuple[str, object], ...]:
+    """`--set` values as (key, value) pairs."""
+    return tuple(parse_set(i) for i in items or [])
+
+
+def parse_globs(cases: str | None) -> tuple[str, ...]:
+    """`--cases` as its globs."""
+    return tuple(g.strip() for g in (cases or "").split(",") if g.strip())
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
@@ -187,7 +197,7 @@ def estimate(
     transformers from the model's own config, in the precision the engine trains in), then the largest pass's
     activations and logits and vLLM's KV cache at the case's batch geometry, their sum, and whether it fits."""
     from zbench.analyze.activations import geometry_memory
-    from zbench.analyze.memory import GIB, estimate_case, target_cases
+    from zbench.analyze.memory import GIB, estimate_target
     from zbench.config import ConfigError
 
     if target is not None and legacy_run_root:
@@ -203,14 +213,11 @@ def estimate(
         raise _fail(f"--device-memory {device_memory:g}: give one GPU's memory in GB, more than 0")
     gpu_bytes = int(device_memory * 2**30) if device_memory else _this_gpu_bytes()
     try:
-        sets = tuple(parse_set(item) for item in set_ or [])
-        globs = tuple(g.strip() for g in (cases or "").split(",") if g.strip())
+        sets, globs = parse_sets(set_), parse_globs(cases)
         if (sets or globs) and Path(target).is_dir():
             raise _fail("--set and --cases apply to a matrix; a run root is estimated as it ran")
-        chosen = target_cases(target, None if device == "auto" else device == "cuda", sets, globs)
-        base = Path(target) if Path(target).is_dir() else None
-        rows = [(estimate_case(cfg, base_dir=base / name if base else None, name=name, on_cuda=cuda),
-                 geometry_memory(cfg, cuda, gpu_bytes), cuda) for name, cfg, cuda in chosen]
+        rows = [(e, geometry_memory(cfg, cuda, gpu_bytes), cuda) for e, cfg, cuda
+                in estimate_target(target, None if device == "auto" else device == "cuda", sets, globs)]
     except (RunRootError, ConfigError, ValueError) as e:
         raise _fail(str(e)) from None
     width = max(len(e.case) for e, _, _ in rows) + 2

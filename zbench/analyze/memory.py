@@ -152,8 +152,10 @@ def target_cases(target: str | Path, on_cuda: bool | None = None, sets: tuple[tu
             for c in expand(load_matrix(str(target)), sets=sets, case_globs=case_globs)]
 
 
-def estimate_target(target: str | Path, on_cuda: bool | None = None) -> list[CaseEstimate]:
-    """`estimate_case` of every case of `target_cases(target, on_cuda)`."""
+def estimate_target(target: str | Path, on_cuda: bool | None = None, sets: tuple[tuple[str, object], ...] = (),
+                    case_globs: tuple[str, ...] = ()) -> list[tuple[CaseEstimate, RunConfig, bool]]:
+    """`estimate_case` of every case of `target_cases(...)`, beside the case's config and whether it runs on CUDA
+    (what the activation and KV-cache terms need)."""
     base = Path(target) if Path(target).is_dir() else None
-    return [estimate_case(cfg, base_dir=base / name if base else None, name=name, on_cuda=cuda)
-            for name, cfg, cuda in target_cases(target, on_cuda)]
+    return [(estimate_case(cfg, base_dir=base / name if base else None, name=name, on_cuda=cuda), cfg, cuda)
+            for name, cfg, cuda in target_cases(target, on_cuda, sets, case_globs)]

@@ -215,7 +215,7 @@ class _Worker:
         layers = getattr(response_decoder(model), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder `layers` list to "
-                                                      "compile; set it to false")
+                                                      "compile; set it to 'never'")
         for layer in layers:
             layer.compile(dynamic=True)
         self.compiled_layers = len(layers)
