@@ -99,7 +99,7 @@ class VLLMRollout:
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
                  max_model_len: int, tied_embeddings: bool, kv_cache_bytes: int | None = None,
-                 enforce_eager: bool = False, log_probs: bool = False):
+                 enforce_eager: bool = False, log_probs: bool = False, engine_args: dict[str, Any] | None = None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
         if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
@@ -115,7 +115,7 @@ class VLLMRollout:
                        enforce_eager=enforce_eager, enable_sleep_mode=True,
                        max_model_len=max_model_len, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
-                       **parallel_args(tensor_parallel_size))
+                       **parallel_args(tensor_parallel_size), **(engine_args or {}))
         self.asleep = False
         self.awake_used_gb = 0.0
 
@@ -219,8 +219,9 @@ def fitted_kv_cache_bytes(model_config: Any, sequences: int, max_model_len: int,
     return int(blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(model_config, tensor_parallel_size) * 1.05)
 
 
-def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool) -> VLLMRollout:
-    """A VLLMRollout for a case config on one rank."""
+def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool,
+          engine_args: dict[str, Any] | None = None) -> VLLMRollout:
+    """A VLLMRollout for a case config on one rank (`engine_args`: further vLLM engine arguments, for benchmarks)."""
     r = cfg.rollout
     max_model_len = cfg.data.max_prompt_length + r.max_new_tokens
     kv_cache_bytes = None
@@ -235,4 +236,4 @@ def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int,
                        tensor_parallel_size=r.tensor_parallel_size,
                        seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
                        max_model_len=max_model_len, tied_embeddings=tied_embeddings, kv_cache_bytes=kv_cache_bytes,
-                       enforce_eager=r.enforce_eager, log_probs=r.log_probs)
+                       enforce_eager=r.enforce_eager, log_probs=r.log_probs, engine_args=engine_args)

@@ -1,0 +1,149 @@
+"""Where a colocated vLLM rollout spends its time, on one GPU: for each engine variant, the rollout's wall time,
+the GPU's kernel time over it (torch.profiler), and the host's hottest Python functions (cProfile).
+
+One engine is built as a case builds it (`zbench.engine.vllm_rollout.build`), with further vLLM engine arguments
+on top (`--variant`, a JSON object `{"name": ..., "engine": {...}}`; one variant per process, as vLLM keeps
+process-wide state). GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
+
+- `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends)
+  and with one unseeded request list (vLLM then samples the whole batch in one call);
+- `profile`: one rollout under torch.profiler: GPU kernel time in all and per decode step against the wall time
+  (a GPU busy far below 100 % means the host, not the GPU, sets the pace), and the top kernels;
+- `host`: one rollout under cProfile, the functions with the most own time.
+
+    python benchmarks/vllm_profile.py --data .gsm8k/train.jsonl --prompts 32 --n 4 --new-tokens 512 \
+        --variant '{"name": "sync", "engine": {"async_scheduling": false}}'
+
+One JSON line per measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from zbench.config import from_dict
+
+    return from_dict({
+        "algorithm": "grpo", "seed": 7777, "model": {"path": args.model},
+        "data": {"train_files": args.data, "max_prompt_length": 512},
+        "rollout": {"backend": "vllm", "n": args.n, "max_new_tokens": args.new_tokens, "kv_cache_fit": True},
+        "actor": {"ppo_mini_batch_size": args.prompts, "micro_batch_size_per_gpu": args.n},
+        "trainer": {"world_size": 1, "train_batch_size": args.prompts},
+    })
+
+
+def _emit(**row: Any) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def _kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[dict[str, Any]]]:
+    """Total CUDA kernel time (s) and the `top` kernels by their total time."""
+    rows = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", 0.0)
+        if device_us > 0:
+            rows.append({"kernel": evt.key[:90], "calls": evt.count, "total_ms": round(device_us / 1e3, 2)})
+    rows.sort(key=lambda r: -r["total_ms"])
+    return sum(r["total_ms"] for r in rows) / 1e3, rows[:top]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--data", default="synthetic", help="GSM8K train rows (jsonl or parquet)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variant", default='{"name": "default", "engine": {}}')
+    args = ap.parse_args()
+
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import SamplingParams, TokensPrompt
+
+    from zbench.data import load_prompts, synthetic_problems
+    from zbench.engine import vllm_rollout
+    from zbench.engine.batches import left_pad
+    from zbench.engine.trainer import PromptStream
+    from zbench.models import resolve_model, special_ids
+
+    cfg = _config(args)
+    model_path = str(resolve_model(args.model))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id, eos_ids = special_ids(model_path)
+    d = cfg.data
+    rows = synthetic_problems(4 * args.prompts, 0, "train") if d.train_files == "synthetic" else load_prompts(d.train_files)
+    stream = PromptStream(rows[: 8 * args.prompts], tok, args.prompts, cfg.seed, True, d.max_prompt_length)
+    ids, mask = left_pad([stream.ids[i] for i in stream.indices(1) for _ in range(args.n)], pad_id)
+    tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+    device = torch.cuda.get_device_name()
+
+    variant = json.loads(args.variant)
+    name = variant["name"]
+    start = time.perf_counter()
+    rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"))
+    _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2), device=device)
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in vllm_rollout.strip_left_padding(ids, mask)]
+    unseeded = SamplingParams(n=1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=0,
+                              max_tokens=args.new_tokens, stop_token_ids=eos_ids, detokenize=False)
+
+    def seeded(seed: int) -> int:
+        out = rollout.generate(ids, mask, seed, sleep=False)
+        return int(out["response_mask"].sum())
+
+    def one_call(seed: int) -> int:
+        outs = rollout.llm.generate(prompts, unseeded, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    for label, fn in (("per_request_seeds", seeded), ("unseeded", one_call)):
+        times, tokens = [], []
+        for rep in range(args.repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens.append(fn(1000 + rep))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        best = statistics.median(times[1:])
+        _emit(variant=name, measure="generate", sampling=label, sequences=len(ids), median_s=round(best, 3),
+              all_s=[round(t, 3) for t in times[1:]], cold_s=round(times[0], 3),
+              generated_tokens_per_s=round(statistics.mean(tokens[1:]) / best),
+              ms_per_decode_step=round(1000 * best / args.new_tokens, 2))
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        seeded(7)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    gpu_s, kernels = _kernel_table(prof, 12)
+    _emit(variant=name, measure="profile", wall_s=round(wall, 3), gpu_kernel_s=round(gpu_s, 3),
+          gpu_busy=round(gpu_s / wall, 3), gpu_ms_per_decode_step=round(1000 * gpu_s / args.new_tokens, 2),
+          top_kernels=kernels)
+
+    host = cProfile.Profile()
+    t0 = time.perf_counter()
+    host.enable()
+    seeded(8)
+    host.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(host)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # (file, line, fn) -> (cc, nc, tt, ct, ...)
+    _emit(variant=name, measure="host", wall_s=round(wall, 3),
+          top_own_time=[{"fn": f"{fn[2]} ({fn[0].rsplit('/', 2)[-2:][-1]}:{fn[1]})", "calls": v[1],
+                         "own_s": round(v[2], 3), "cum_s": round(v[3], 3)} for fn, v in top])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
