@@ -64,18 +64,18 @@ class ModelConfig:
     # actor and reference: the LM head yields log-probs and entropy in token chunks, never a micro-batch's whole
     # logits or their gradient (zbench.engine.lm_head)
     fused_head: bool = True
-    # torch.compile each decoder layer of the trained models (fused kernels): auto = on CUDA below ZeRO-3; always
-    # (CUDA only); never
+    # torch.compile each decoder layer of the trained models (fused kernels; at ZeRO-3 the layers become DeepSpeed
+    # leaf modules): auto = on CUDA; always (CUDA only); never
     compile_layers: str = "auto"
     # training and scoring forwards move each row's left padding behind its tokens and run attention with the causal
     # flag alone (flash kernels) instead of a padding mask (zbench.engine.batches.shift_padding_right)
     maskless_attention: bool = True
 
-    def compiles_layers(self, zero_stage: int, on_cuda: bool) -> bool:
-        """Whether the trained models' decoder layers are compiled (``auto``: on CUDA below ZeRO-3, where it was
-        measured faster; ZeRO-3's per-layer gathers left it no faster)."""
+    def compiles_layers(self, on_cuda: bool) -> bool:
+        """Whether the trained models' decoder layers are compiled (``auto``: on CUDA, at every ZeRO stage; measured
+        faster at ZeRO-2 and, with the layers as leaf modules, at ZeRO-3)."""
         if self.compile_layers == "auto":
-            return on_cuda and zero_stage < 3
+            return on_cuda
         return self.compile_layers == "always"
 
     def precision(self, on_cuda: bool) -> str:

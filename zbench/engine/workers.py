@@ -44,6 +44,16 @@ def response_decoder(model: Any) -> torch.nn.Module:
     return decoder
 
 
+def zero3_leaf_layers(model: torch.nn.Module, layers: torch.nn.ModuleList) -> int:
+    """Mark each decoder layer a ZeRO-3 leaf module (before `deepspeed.initialize`): DeepSpeed then gathers a
+    layer's parameters all at once in the layer's own hooks and installs none on its projections and norms. Returns
+    the number of layers marked."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    marked = set_z3_leaf_modules(model, list({type(layer) for layer in layers}))
+    return len(marked)
+
+
 def model_outputs(model: Any, mb: Batch, **kwargs: Any) -> Any:
     """`model` (a Hugging Face model, or a DeepSpeed engine around one) on a micro-batch of `forward_batches`.
 
@@ -202,23 +212,37 @@ class _Worker:
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        if self.cfg.model.compiles_layers(self.cfg.zero.stage, self.on_cuda):
+        if self.cfg.model.compiles_layers(self.on_cuda):
             self._compile_layers(model)
         return model
 
     def _compile_layers(self, model: torch.nn.Module) -> None:
         """`torch.compile` each decoder layer in place (`model.compile_layers`): the layers share one graph, shapes
-        are dynamic (an RL micro-batch's length changes every time)."""
+        are dynamic (an RL micro-batch's length changes every time).
+
+        Under ZeRO-3 the layers first become DeepSpeed leaf modules (`zero3_leaf_layers`), and only each layer's
+        `forward` is compiled: the parameter gathers and releases stay in the module call's hooks, outside the
+        graph, so the layer's body compiles whole instead of breaking at every projection's gather."""
         if not self.on_cuda:
             raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
                                                       "CPU; use 'auto' or 'never'")
+        layers = self._decoder_layers(model)
+        if self.cfg.zero.stage == 3:
+            zero3_leaf_layers(model, layers)
+            for layer in layers:
+                layer.forward = torch.compile(layer.forward, dynamic=True)
+        else:
+            for layer in layers:
+                layer.compile(dynamic=True)
+        self.compiled_layers = len(layers)
+
+    @staticmethod
+    def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         layers = getattr(response_decoder(model), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder `layers` list to "
                                                       "compile; set it to 'never'")
-        for layer in layers:
-            layer.compile(dynamic=True)
-        self.compiled_layers = len(layers)
+        return layers
 
     def _fuse(self, model: torch.nn.Module) -> None:
         """The lean RMSNorm and SwiGLU of `zbench.engine.fused`, unless `model.fused_ops` is off."""
