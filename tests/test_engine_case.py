@@ -22,7 +22,7 @@ PPO_METRICS = {
     "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
     "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
-    "perf/total_num_tokens", "perf/throughput", "perf/cpu_memory_used_gb", "actor/kl_loss",
+    "perf/total_num_tokens", "perf/throughput", "perf/cpu_memory_used_gb", "perf/gc_pause_s", "actor/kl_loss",
 }
 
 

@@ -281,6 +281,7 @@ class Trainer:
             out["perf/device_memory_used_gb"] = max(m["device_used_gb"] for m in mems)
         rss = sum(m["rss_gb"] for m in mems) + psutil.Process().memory_info().rss / 2**30
         out["perf/cpu_memory_used_gb"] = rss
+        out["perf/gc_pause_s"] = max(m["gc_pause_s"] for m in mems)  # a rank's workers pause one after another
         peak = peak_flops(self.info.get("gpu_name"))
         if peak and self.timing.get("timing_s/update_actor"):
             flops = training_flops(self.info["params"], self.model_config.num_hidden_layers,

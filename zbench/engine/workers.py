@@ -25,6 +25,7 @@ from zbench.config import ConfigError, RunConfig, effective_offload
 from zbench.engine import algos, lm_head
 from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
 from zbench.engine.cluster import free_port, join_process_group
+from zbench.engine.heap import GcClock, freeze_survivors
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
@@ -120,6 +121,8 @@ class _Worker:
         self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
         self.compiled_layers = 0  # decoder layers compiled (`model.compile_layers`)
         self.profiler = StepProfiler(self.on_cuda)
+        self.gc_clock = GcClock()
+        self.heap_frozen = 0  # objects frozen after the first step's report (`zbench.engine.heap`)
         self.choose_attention_kernels()
 
     def choose_attention_kernels(self) -> None:
@@ -290,8 +293,13 @@ class _Worker:
         return type(inner).__name__ if inner is self.engine.optimizer else f"{wrapper}({type(inner).__name__})"
 
     def memory(self) -> dict[str, float]:
-        """Peak accelerator memory since the last call (then reset), and this process's resident memory."""
-        out = {"rss_gb": psutil.Process().memory_info().rss / 2**30}
+        """The step's report, once per step: peak accelerator memory since the last call (then reset), this
+        process's resident memory and its garbage-collector pauses. After the first report, the objects alive
+        (models, engines, compiled graphs) are frozen out of the collector's walks (`zbench.engine.heap`); the
+        full collection that precedes the freeze counts in the first step's pauses."""
+        if not self.heap_frozen:
+            self.heap_frozen = freeze_survivors()
+        out = {"rss_gb": psutil.Process().memory_info().rss / 2**30, "gc_pause_s": self.gc_clock.take()}
         if self.on_cuda:
             out["allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             out["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
