@@ -41,10 +41,11 @@ vllm)
   ;;
 steps)
   bash $gpu prep > "$out/prep.log" 2>&1
-  RUN_TAG=z2 bash $gpu run grpo-six-case zero2_no_offload 10 "${proxy[@]}" \
-    --set actor.micro_batch_size_per_gpu=32 --set model.gradient_checkpointing=true
-  RUN_TAG=z3 bash $gpu run grpo-six-case zero3_no_offload 10 "${proxy[@]}" \
+  # ZeRO-3's step 1 compiles its layers for about 90 s: each run gets 230 s
+  RUN_BUDGET_S=230 RUN_TAG=z3 bash $gpu run grpo-six-case zero3_no_offload 8 "${proxy[@]}" \
     --set actor.micro_batch_size_per_gpu=64 --set model.gradient_checkpointing=true
+  RUN_BUDGET_S=230 RUN_TAG=z2 bash $gpu run grpo-six-case zero2_no_offload 8 "${proxy[@]}" \
+    --set actor.micro_batch_size_per_gpu=32 --set model.gradient_checkpointing=true
   ;;
 *)
   echo "unknown step ${1:-}: update | vllm | steps" >&2; exit 2
