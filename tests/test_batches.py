@@ -109,7 +109,11 @@ def test_maskless_layout_gives_the_masked_log_probs_and_gradients():
     assert torch.allclose(logps[0], logps[1], atol=1e-5)
     assert logps[0].abs().sum() > 0
     for (name, a), b in zip(masked.named_parameters(), maskless.parameters(), strict=True):
-        assert a.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-5), name
+        assert a.grad is not None, name
+        # summation order differs between layouts: the tolerance scales with the gradient (the tied embedding's
+        # reaches ~60, where float32 reassociation alone moves an element by ~2e-5)
+        scale = float(a.grad.abs().max())
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5 + 1e-6 * scale), name
 
 
 @torch.no_grad()
