@@ -201,3 +201,38 @@ def test_committed_run_roots_stay_readable() -> None:
     with pytest.raises(ConfigError, match=r"rollout.request_seeds: False is no longer supported"):
         from_dict({"rollout": {"request_seeds": False}})
     assert from_dict({"rollout": {"request_seeds": True}}) == from_dict({})
+
+
+def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
+    """On CUDA the keys no matrix, case or --set names take the GPU's defaults; named keys never change, and the
+    CPU keeps the dataclass defaults."""
+    ref = [("trainer.device", "cuda"), ("trainer.world_size", 1), ("trainer.train_batch_size", 32),
+           ("actor.ppo_mini_batch_size", 32), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512),
+           ("rollout.backend", "vllm")]
+    grpo = {c.name: c for c in expand(load_matrix("grpo-six-case"), sets=ref, device_defaults=True)}
+    z2, z3 = grpo["zero2_no_offload"], grpo["zero3_no_offload"]
+    assert z2.config.actor.micro_batch_size_per_gpu == 32 and z3.config.actor.micro_batch_size_per_gpu == 64
+    assert z2.config.actor.forward_micro_batch_size_per_gpu == 64 and z2.config.model.gradient_checkpointing
+    assert z2.config.rollout.kv_cache_fit and "critic.micro_batch_size_per_gpu" not in z2.device_defaults
+    assert z2.device_defaults["actor.micro_batch_size_per_gpu"] == 32 and not set(z2.device_defaults) & set(z2.overrides)
+    # a named key stays as named, the others still move; the critic (PPO) gets the same geometry
+    ppo = expand(load_matrix("six-case"), sets=[*ref, ("actor.micro_batch_size_per_gpu", 8),
+                                                 ("rollout.gpu_memory_utilization", 0.3)], device_defaults=True)[0]
+    assert ppo.config.actor.micro_batch_size_per_gpu == 8 and ppo.config.critic.micro_batch_size_per_gpu == 32
+    assert not ppo.config.rollout.kv_cache_fit and ppo.config.critic.forward_micro_batch_size_per_gpu == 32
+    # micro-batches divide the rank's share of a mini-batch (here 3 prompts x 4 samples over 2 ranks: 6)
+    odd = expand(load_matrix("grpo-six-case"), sets=[("trainer.device", "cuda"), ("trainer.train_batch_size", 3),
+                                                     ("actor.ppo_mini_batch_size", 3), ("trainer.world_size", 2)],
+                 device_defaults=True)[0]
+    assert odd.config.actor.micro_batch_size_per_gpu == 6 and odd.config.actor.forward_micro_batch_size_per_gpu == 6
+    # ddp-vs-zero names checkpointing on its axis: that stays
+    assert not expand(load_matrix("ddp-vs-zero"), sets=[("trainer.device", "cuda")],
+                      device_defaults=True)[0].config.model.gradient_checkpointing
+    cpu = expand(load_matrix("grpo-six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)[0]
+    assert cpu.device_defaults == {} and cpu.config.actor.micro_batch_size_per_gpu == 4
+    # `zbench estimate --device cuda` on this machine sizes what a GPU run would take, --device cpu the CPU's
+    from zbench.analyze.memory import target_cases
+
+    sized = {cuda: target_cases("grpo-six-case", cuda, tuple(ref[2:]), ("zero3_no_offload",))[0][1] for cuda in (True, False)}
+    assert sized[True].actor.micro_batch_size_per_gpu == 64 and sized[True].model.gradient_checkpointing
+    assert sized[False].actor.micro_batch_size_per_gpu == 4 and not sized[False].model.gradient_checkpointing

@@ -75,7 +75,8 @@ def show(
     from zbench.harness.matrix import expand, load_matrix
 
     try:
-        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=parse_sets(set_), case_globs=parse_globs(cases))
+        chosen = expand(load_matrix(matrix), seed=seed, steps=steps, sets=parse_sets(set_), case_globs=parse_globs(cases),
+                        device_defaults=True)
     except ConfigError as err:
         fail(str(err))
     if full:
@@ -88,7 +89,8 @@ def show(
         eff = effective_offload(cfg.zero.stage, cfg.zero.offload).label
         rows.append([c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
                      str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
-                     ", ".join(f"{k}={v}" for k, v in c.overrides.items())])
+                     ", ".join([*(f"{k}={v}" for k, v in c.overrides.items()),
+                                *(f"{k}={v} (GPU default)" for k, v in c.device_defaults.items())])])
     _print_table(["case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
                   "overrides"], rows)
 

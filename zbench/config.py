@@ -471,6 +471,39 @@ class BatchPlan:
     grad_accum: dict[str, int]
 
 
+# Tokens (prompt + response, at their caps) per training micro-batch on one GPU below ZeRO-3, with activation
+# checkpointing: micro-batch 32 of 512 + 512 tokens, the fastest geometry measured at the reference GRPO and PPO
+# configs within their memory (results/reference/h200-speed-20261124). ZeRO-3 takes twice as many: every
+# micro-batch gathers the parameters again, so fewer, larger ones halve the gathers.
+CUDA_MICRO_TOKENS = 32 * 1024
+CUDA_FORWARD_MICRO_TOKENS = 64 * 1024  # gradient-free passes keep no activations: the largest measured helpful
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, max(1, min(n, cap)) + 1) if n % d == 0)
+
+
+def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[str, Any]:
+    """The fast path on a GPU: the settings a CUDA case takes for each of these keys that its matrix, case and
+    `--set` leave unnamed (``named(key)`` false), as dotted overrides. The dataclass defaults suit the CPU's tiny
+    model; a GPU case wants activation checkpointing with micro-batches sized by tokens, the largest forward
+    micro-batch, and a vLLM KV cache fitted to one rollout. Micro-batches divide the rank's share of a mini-batch,
+    so the geometry always validates. Nothing named is ever changed; `zbench tune` searches beyond these."""
+    plan = cfg.batch_plan()
+    tokens = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    per_rank_mini = plan.mini_batch_sequences // cfg.trainer.world_size
+    scale = 2 if cfg.zero.stage == 3 else 1
+    micro = _largest_divisor(per_rank_mini, max(1, scale * CUDA_MICRO_TOKENS // tokens))
+    forward = max(micro, min(plan.sequences_per_rank, max(1, CUDA_FORWARD_MICRO_TOKENS // tokens)))
+    out: dict[str, Any] = {"model.gradient_checkpointing": True}
+    roles = ("actor", "critic") if cfg.needs_critic else ("actor",)
+    for role in roles:
+        out[f"{role}.micro_batch_size_per_gpu"] = micro
+        out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
+    if cfg.rollout.backend in ("vllm", "auto") and not named("rollout.gpu_memory_utilization"):
+        out["rollout.kv_cache_fit"] = True
+    return {k: v for k, v in out.items() if not named(k)}
+
 # --------------------------------------------------------------------------------------------------- loading
 
 
@@ -602,13 +635,13 @@ def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
-    missing = [k for k in dotted_keys() if not _has_dotted(data, k)] if complete else []
+    missing = [k for k in dotted_keys() if not has_dotted(data, k)] if complete else []
     try:
         cfg = from_dict(data, str(path))
     except ConfigError as err:
         # a key the file sets is named as it is; an error from a default standing in for a missing key is the
         # missing key's fault
-        if not missing or (err.key and _has_dotted(data, err.key)):
+        if not missing or (err.key and has_dotted(data, err.key)):
             raise
         cfg = None
     if missing:
@@ -619,7 +652,8 @@ def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
     return cfg
 
 
-def _has_dotted(data: Mapping[str, Any], key: str) -> bool:
+def has_dotted(data: Mapping[str, Any], key: str) -> bool:
+    """Whether nested `data` holds the dotted `key` (`zero.stage`)."""
     node: Any = data
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:

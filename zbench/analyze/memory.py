@@ -136,7 +136,8 @@ def target_cases(target: str | Path, on_cuda: bool | None = None, sets: tuple[tu
                  case_globs: tuple[str, ...] = ()) -> list[tuple[str, RunConfig, bool]]:
     """(name, config, on CUDA) of every case of a run root (a directory with a manifest: the configs it ran, on the
     device it ran on) or of a matrix (a shipped name or a YAML file: its cases, with `sets` and only those matching
-    `case_globs`, as they would run on this machine, or on CUDA or not as `on_cuda` says)."""
+    `case_globs`, as they would run on this machine, or on CUDA or not as `on_cuda` says; a CUDA case with the GPU's
+    defaults for the keys nothing names, as `zbench run` gives it)."""
     from zbench.runroot.read import load_run_root, read_case_config
 
     path = Path(target)
@@ -149,7 +150,8 @@ def target_cases(target: str | Path, on_cuda: bool | None = None, sets: tuple[tu
     from zbench.harness.matrix import expand, load_matrix
 
     return [(c.name, c.config, c.config.trainer.uses_cuda() if on_cuda is None else on_cuda)
-            for c in expand(load_matrix(str(target)), sets=sets, case_globs=case_globs)]
+            for c in expand(load_matrix(str(target)), sets=sets, case_globs=case_globs, device_defaults=True,
+                            on_cuda=on_cuda)]
 
 
 def estimate_target(target: str | Path, on_cuda: bool | None = None, sets: tuple[tuple[str, object], ...] = (),

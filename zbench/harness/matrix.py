@@ -25,18 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from zbench import shipped_specs
-from zbench.config import ConfigError, RunConfig, from_dict, read_yaml, set_dotted
+from zbench.config import ConfigError, RunConfig, cuda_defaults, from_dict, has_dotted, read_yaml, set_dotted
 
 MATRIX_KEYS = ("description", "base", "axes", "name", "exclude", "cases")
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One case of a matrix: its name, its resolved config, and the overrides that made it."""
+    """One case of a matrix: its name, its resolved config, the overrides that made it, and the device's defaults
+    it took for keys nothing named (`zbench.config.cuda_defaults`; empty on the CPU)."""
 
     name: str
     config: RunConfig
     overrides: dict[str, Any] = field(default_factory=dict)
+    device_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +178,19 @@ def _check_sets_keep_names(matrix: Matrix, planned: list[tuple[str, dict[str, An
                               f"name that says otherwise; {pick}", matrix.source)
 
 
+def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> dict[str, Any]:
+    """`cuda_defaults` for a case's nested config `data` when it will run on CUDA (as `on_cuda` says, or where
+    None, as its `trainer.device` resolves here), else nothing. The case is first read with micro-batch 1 wherever
+    nothing names one: the CPU's default size need not divide a GPU batch."""
+    probe = copy.deepcopy(data)
+    for key in ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"):
+        if not has_dotted(probe, key):
+            set_dotted(probe, key, 1)
+    cfg = from_dict(probe, where)
+    cuda = cfg.trainer.uses_cuda() if on_cuda is None else on_cuda
+    return cuda_defaults(cfg, lambda key: has_dotted(data, key)) if cuda else {}
+
+
 def expand(
     matrix: Matrix,
     seed: int | None = None,
@@ -183,9 +198,13 @@ def expand(
     sets: Iterable[tuple[str, Any]] = (),
     case_globs: Iterable[str] = (),
     run_defaults: Mapping[str, Any] | None = None,
+    device_defaults: bool = False,
+    on_cuda: bool | None = None,
 ) -> list[Case]:
     """The matrix's cases in order, each validated; `sets` apply to every case after the matrix's own values,
-    `run_defaults` (the runner's worker count) before them."""
+    `run_defaults` (the runner's worker count) before them. With `device_defaults`, a case that will run on CUDA
+    takes the GPU's defaults for the keys none of those name (`cuda_defaults`); `on_cuda` says where it will run
+    when that is not this machine (`zbench estimate --device cuda`)."""
     sets = list(sets)
     # Precedence, lowest first: base, the run's --seed/--steps and runner defaults, the case's own axis values,
     # then --set.
@@ -226,7 +245,11 @@ def expand(
             set_dotted(data, key, value, matrix.source)
         for key, value in sets:
             set_dotted(data, key, value, "--set")
-        cfg = from_dict(data, f"{matrix.source} (case {name})")
+        where = f"{matrix.source} (case {name})"
+        on_device = _device_defaults(data, where, on_cuda) if device_defaults else {}
+        for key, value in on_device.items():
+            set_dotted(data, key, value)
+        cfg = from_dict(data, where)
         defaults = {k: v for k, v in (run_defaults or {}).items() if k not in overrides}
-        cases.append(Case(name, cfg, {**defaults, **overrides, **dict(sets)}))
+        cases.append(Case(name, cfg, {**defaults, **overrides, **dict(sets)}, on_device))
     return cases

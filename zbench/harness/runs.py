@@ -40,10 +40,18 @@ def plan_cases(req: RunRequest, profile: RunnerProfile) -> list[Case]:
 
     workers = {} if profile.num_workers is None else {"trainer.world_size": profile.num_workers}
     cases = expand(load_matrix(req.matrix), seed=req.seed, steps=req.steps, sets=req.sets, case_globs=req.case_globs,
-                   run_defaults=workers)
+                   run_defaults=workers, device_defaults=True)
     for spec in dict.fromkeys(c.config.model.path for c in cases):
         check_model_path(spec)
     return cases
+
+
+def describe_device_defaults(cases: list[Case], out: TextIO) -> None:
+    """Say which GPU defaults the cases took (each case's config.yaml records the values that ran)."""
+    for c in cases:
+        if c.device_defaults:
+            said = " ".join(f"{k}={v}" for k, v in c.device_defaults.items())
+            print(f"[zbench] {c.name}: GPU defaults for keys nothing named: {said}", file=out, flush=True)
 
 
 def prepare_models(specs: set[str], out: TextIO) -> dict[str, dict[str, Any]]:
@@ -79,6 +87,7 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
                                 steps=req.steps, cases=cases, command=argv, runner=profile.name, models=models)
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
+    describe_device_defaults(cases, out)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,
                                   retries=req.retries)
     return root, _launch(root, [(c.name, c.config) for c in cases], options, out)

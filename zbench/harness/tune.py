@@ -28,7 +28,7 @@ from zbench.harness.launch import RunInterrupted, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
-from zbench.harness.runs import RunRequest, plan_cases, prepare_models
+from zbench.harness.runs import RunRequest, describe_device_defaults, plan_cases, prepare_models
 from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
 from zbench.runroot import casedir
 from zbench.runroot.root import RunRoot
@@ -342,6 +342,7 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
                           steps=req.steps, cases=[], command=argv, runner=profile.name)
     print(f"[tune] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
+    describe_device_defaults(cases, out)
     tuner = _Tuner(req=req, root=root, profile=profile, tunes=[case_space(c, budget_gb, on_cuda, int(device_gb * GIB))
                                                                for c in cases],
                    base=matrix.base, budget_gb=budget_gb, on_cuda=on_cuda, started=started, clock=clock, out=out,

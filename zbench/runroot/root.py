@@ -106,7 +106,10 @@ class RunRoot:
             "seed": seed,
             "steps": steps,
             "command": list(command) if command is not None else list(sys.argv),
-            "cases": [{"name": c.name, "dir": c.name, "overrides": dict(c.overrides)} for c in cases],
+            # device_defaults: what a GPU case took for keys nothing named (zbench.config.cuda_defaults)
+            "cases": [{"name": c.name, "dir": c.name, "overrides": dict(c.overrides),
+                       **({"device_defaults": dict(d)} if (d := getattr(c, "device_defaults", None)) else {})}
+                      for c in cases],
             "git": env.get("git", {"commit": None, "dirty": None}),
             "versions": env.get("versions", {}),
             "gpus": env.get("gpus", []),
