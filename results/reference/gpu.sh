@@ -8,7 +8,7 @@
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
-# micro-batch 8 for training and 16 for log-probs and values, actor lr 1e-6, critic lr 1e-5) and stops itself
+# actor lr 1e-6, critic lr 1e-5; batch geometry: the GPU defaults, `zbench.config.cuda_defaults`) and stops itself
 # after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
 # recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
 # With FLOOR=1, `run` then measures the bare-DeepSpeed floors of the cases it ran (`zbench bench floor --like`,
@@ -53,8 +53,6 @@ run)
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \
     --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512 \
-    --set actor.micro_batch_size_per_gpu=8 --set critic.micro_batch_size_per_gpu=8 \
-    --set actor.forward_micro_batch_size_per_gpu=16 --set critic.forward_micro_batch_size_per_gpu=16 \
     --set actor.lr=1e-6 --set critic.lr=1e-5 "$@" 2>&1 | tail -n 30
   root=$(ls -d /tmp/zbench-results/"$tag"_* | tail -n 1)
   if [ -n "${FLOOR:-}" ]; then  # the floors of the cases just run, same GPUs and host, into the run root
