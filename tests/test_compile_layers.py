@@ -12,6 +12,7 @@ import torch
 from test_old_log_prob import _batch, _cfg
 
 from zbench.config import ConfigError, from_dict
+from zbench.engine import workers
 from zbench.engine.cluster import free_port
 from zbench.engine.workers import PolicyWorker, zero3_leaf_layers
 from zbench.models import resolve_model
@@ -24,6 +25,24 @@ class _LeafLayers(PolicyWorker):
     def _load(self, auto_cls, ds_config, **kwargs):  # type: ignore[no-untyped-def]
         model = super()._load(auto_cls, ds_config, **kwargs)
         self.leaves = zero3_leaf_layers(model, self._decoder_layers(model))
+        return model
+
+
+class _CompiledOnCpu(PolicyWorker):
+    """A worker whose decoder layers are compiled as a CUDA case compiles them, through Dynamo and AOTAutograd
+    (`aot_eager`: the same graphs, guards and saved tensors, with eager kernels in place of Inductor's, which the
+    CPU does without); `graphs` counts the forward graphs Dynamo captured."""
+
+    graphs = 0
+
+    def _load(self, auto_cls, ds_config, **kwargs):  # type: ignore[no-untyped-def]
+        model = super()._load(auto_cls, ds_config, **kwargs)
+
+        def counting(gm, example_inputs):  # type: ignore[no-untyped-def]
+            type(self).graphs += 1
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        self._compile_layers(model, backend=counting)
         return model
 
 
@@ -73,6 +92,44 @@ def test_zero3_leaf_layers_make_the_same_update():
     before, after = dict(_full_params(plain)), dict(_full_params(leaf))
     for name, p in before.items():
         assert torch.allclose(p, after[name], atol=1e-7), name
+
+
+def test_zero3_compiled_layers_share_one_graph_and_make_the_eager_update(monkeypatch):
+    """ZeRO-3's compiled leaf layers: every layer runs the graph Dynamo captures for the first, and the update
+    equals the eager one. The guards on DeepSpeed's parameter numbers are dropped, and only those: PyTorch 2.11
+    guards each number's value, so every layer compiled its own graph (on a 28-layer model, past Dynamo's
+    recompile limit, the rest ran eager); this PyTorch guards only its type, which the filter drops as well."""
+    seen: list[tuple[str, bool]] = []
+    real = workers.skip_zero3_param_ids
+
+    def recording(guards):  # type: ignore[no-untyped-def]
+        kept = real(guards)
+        seen.extend((g.name, k) for g, k in zip(guards, kept, strict=True))
+        return kept
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(workers, "skip_zero3_param_ids", recording)
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-compile-")
+    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
+    eager = PolicyWorker(cfg, 0, 1, case_dir, model_path)
+    eager.join("127.0.0.1", free_port())
+    eager.setup()
+    _CompiledOnCpu.graphs = 0
+    compiled = _CompiledOnCpu(cfg, 0, 1, case_dir, model_path)
+    assert compiled.setup()["compiled_layers"] == len(compiled.engine.module.model.layers) == 2
+    batch = _batch(pad_id=0)
+    a, b = eager.update_actor(batch), compiled.update_actor(batch)
+    # one graph for the training forward (recomputed in the backward under checkpointing), one for the gradient-free
+    # log-prob pass: not one per layer
+    assert _CompiledOnCpu.graphs == 2
+    dropped = {name for name, kept in seen if not kept}
+    assert dropped and all(name.endswith(".ds_id") for name in dropped)
+    assert any(kept for _, kept in seen)
+    assert torch.allclose(b.pop("old_log_probs"), a.pop("old_log_probs"), atol=1e-5)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -45,6 +45,17 @@ def response_decoder(model: Any) -> torch.nn.Module:
     return decoder
 
 
+def skip_zero3_param_ids(guards: Any) -> list[bool]:
+    """A `torch.compile` guard filter that keeps every guard except those on a ZeRO-3 parameter's `ds_id`.
+
+    DeepSpeed numbers each partitioned parameter (`ds_id`), and Dynamo, tracing the backward of ZeRO-3's linear
+    function (which asks whether its weight is a ZeRO parameter), guards on that number. Every decoder layer's
+    parameters have other numbers, so without this filter each layer compiles a graph of its own until Dynamo's
+    recompile limit, and the layers past it run eager. The number is an identity and never enters the
+    computation; the guards on the tensors' shapes, dtypes and the parameters' gather status stay."""
+    return [not entry.name.endswith(".ds_id") for entry in guards]
+
+
 def zero3_leaf_layers(model: torch.nn.Module, layers: torch.nn.ModuleList) -> int:
     """Mark each decoder layer a ZeRO-3 leaf module (before `deepspeed.initialize`): DeepSpeed then gathers a
     layer's parameters all at once in the layer's own hooks and installs none on its projections and norms. Returns
@@ -215,28 +226,30 @@ class _Worker:
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if self.cfg.model.compile_layers == "always" and not self.on_cuda:
+            raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
+                                                      "CPU; use 'auto' or 'never'")
         if self.cfg.model.compiles_layers(self.on_cuda):
             self._compile_layers(model)
         return model
 
-    def _compile_layers(self, model: torch.nn.Module) -> None:
+    def _compile_layers(self, model: torch.nn.Module, backend: Any = "inductor") -> None:
         """`torch.compile` each decoder layer in place (`model.compile_layers`): the layers share one graph, shapes
         are dynamic (an RL micro-batch's length changes every time).
 
         Under ZeRO-3 the layers first become DeepSpeed leaf modules (`zero3_leaf_layers`), and only each layer's
         `forward` is compiled: the parameter gathers and releases stay in the module call's hooks, outside the
-        graph, so the layer's body compiles whole instead of breaking at every projection's gather."""
-        if not self.on_cuda:
-            raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
-                                                      "CPU; use 'auto' or 'never'")
+        graph, so the layer's body compiles whole instead of breaking at every projection's gather. The guards on
+        DeepSpeed's parameter numbers are dropped (`skip_zero3_param_ids`), so one graph serves every layer."""
         layers = self._decoder_layers(model)
         if self.cfg.zero.stage == 3:
             zero3_leaf_layers(model, layers)
             for layer in layers:
-                layer.forward = torch.compile(layer.forward, dynamic=True)
+                layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend,
+                                              options={"guard_filter_fn": skip_zero3_param_ids})
         else:
             for layer in layers:
-                layer.compile(dynamic=True)
+                layer.compile(dynamic=True, backend=backend)
         self.compiled_layers = len(layers)
 
     @staticmethod
