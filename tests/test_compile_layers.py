@@ -68,23 +68,29 @@ def test_always_on_the_cpu_is_refused_by_name():
     assert auto.setup()["compiled_layers"] == 0  # auto on the CPU: eager, and the setup says so
 
 
+def _zero3_updates(other: type[PolicyWorker]) -> tuple[PolicyWorker, PolicyWorker, dict, dict]:
+    """A plain ZeRO-3 worker and one of class `other` (checkpointing on, the same initial weights), and what one
+    GRPO update of the same batch returned on each."""
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-z3-")
+    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
+    plain = PolicyWorker(cfg, 0, 1, case_dir, model_path)
+    plain.join("127.0.0.1", free_port())
+    plain.setup()
+    twin = other(cfg, 0, 1, case_dir, model_path)
+    twin.setup()
+    batch = _batch(pad_id=0)
+    return plain, twin, plain.update_actor(batch), twin.update_actor(batch)
+
+
 def test_zero3_leaf_layers_make_the_same_update():
     """One ZeRO-3 GRPO update of the same batch from the same weights, with DeepSpeed gathering per projection and
     per whole layer (leaf modules): the same statistics, log-probs and weights after the step (gradient
     checkpointing on, so a layer is gathered again for its recomputation)."""
     from test_lm_head import _full_params
 
-    model_path = str(resolve_model("tiny"))
-    case_dir = tempfile.mkdtemp(prefix="zbench-leaf-")
-    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
-    plain = PolicyWorker(cfg, 0, 1, case_dir, model_path)
-    plain.join("127.0.0.1", free_port())
-    plain.setup()
-    leaf = _LeafLayers(cfg, 0, 1, case_dir, model_path)
-    leaf.setup()
+    plain, leaf, a, b = _zero3_updates(_LeafLayers)
     assert leaf.leaves == len(leaf.engine.module.model.layers) > 0
-    batch = _batch(pad_id=0)
-    a, b = plain.update_actor(batch), leaf.update_actor(batch)
     assert torch.allclose(b.pop("old_log_probs"), a.pop("old_log_probs"), atol=1e-6)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
@@ -109,17 +115,9 @@ def test_zero3_compiled_layers_share_one_graph_and_make_the_eager_update(monkeyp
 
     torch._dynamo.reset()
     monkeypatch.setattr(workers, "skip_zero3_param_ids", recording)
-    model_path = str(resolve_model("tiny"))
-    case_dir = tempfile.mkdtemp(prefix="zbench-compile-")
-    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
-    eager = PolicyWorker(cfg, 0, 1, case_dir, model_path)
-    eager.join("127.0.0.1", free_port())
-    eager.setup()
     _CompiledOnCpu.graphs = 0
-    compiled = _CompiledOnCpu(cfg, 0, 1, case_dir, model_path)
-    assert compiled.setup()["compiled_layers"] == len(compiled.engine.module.model.layers) == 2
-    batch = _batch(pad_id=0)
-    a, b = eager.update_actor(batch), compiled.update_actor(batch)
+    _, compiled, a, b = _zero3_updates(_CompiledOnCpu)
+    assert compiled.compiled_layers == len(compiled.engine.module.model.layers) == 2
     # one graph for the training forward (recomputed in the backward under checkpointing), one for the gradient-free
     # log-prob pass: not one per layer
     assert _CompiledOnCpu.graphs == 2
