@@ -504,6 +504,28 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out["rollout.kv_cache_fit"] = True
     return {k: v for k, v in out.items() if not named(k)}
 
+# What two trials of one case may differ in when the same processes serve both (`zbench.engine.session`): the
+# batch geometry the workers build their engines for, and what names and bounds the trial. Anything else (the
+# rollout engine's settings among them: it is kept from trial to trial) must be the same.
+TRIAL_GEOMETRY_KEYS = (
+    "actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu", "actor.forward_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing",
+)  # fmt: skip
+TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.save_freq", "trainer.logger", *TRIAL_GEOMETRY_KEYS)
+
+
+def trial_differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """The dotted keys, other than `TRIAL_KEYS`, on which two configs differ."""
+    da, db = to_dict(a), to_dict(b)
+
+    def value(data: Mapping[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            data = data[part]
+        return data
+
+    return [k for k in dotted_keys() if k not in TRIAL_KEYS and value(da, k) != value(db, k)]
+
+
 # --------------------------------------------------------------------------------------------------- loading
 
 

@@ -158,7 +158,12 @@ def remove_ray_tmpdir(case_dir: Path) -> None:
 
 
 def _stop_orphaned_case(case_dir: Path, supervisor: str) -> None:
-    print(f"[zbench] supervisor {supervisor} is gone: stopping this case (its Ray and process group)", flush=True)
+    stop_case_and_exit(case_dir, f"supervisor {supervisor} is gone")
+
+
+def stop_case_and_exit(case_dir: Path, why: str) -> None:
+    """In the engine: take down the case's other processes, its Ray and its process group, and exit (1)."""
+    print(f"[zbench] {why}: stopping this case (its Ray and process group)", flush=True)
     mine = {os.getpid()}
     others = [p for p in case_processes(case_dir) if p.pid not in mine]
     kill_processes(None, others, 2.0)

@@ -30,6 +30,23 @@ STACK_SIGNAL = signal.SIGUSR1
 def enable_stack_dumps(case_dir: str | os.PathLike[str]) -> None:
     """Print every thread's stack to stderr on SIGUSR1, and record this process in the case's `stack_pids`."""
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    _register(case_dir)
+
+
+def forward_stack_dumps(case_dir: str | os.PathLike[str], serving_dir: str | os.PathLike[str]) -> None:
+    """Record this process in the case's `stack_pids`, but answer SIGUSR1 by passing it to the processes registered
+    in `serving_dir`: a trial's client (`zbench.engine.session`), whose trial runs in a session's processes."""
+
+    def forward(signum: int, frame: object) -> None:
+        for p in registered(Path(serving_dir)):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(STACK_SIGNAL)
+
+    signal.signal(STACK_SIGNAL, forward)
+    _register(case_dir)
+
+
+def _register(case_dir: str | os.PathLike[str]) -> None:
     with contextlib.suppress(OSError, psutil.Error):
         me = psutil.Process()
         with (Path(case_dir) / STACK_PIDS).open("a") as f:

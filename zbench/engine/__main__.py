@@ -1,4 +1,7 @@
-"""`python -m zbench.engine <case_dir>`: train the case described by `<case_dir>/config.yaml`."""
+"""`python -m zbench.engine <case_dir>`: train the case described by `<case_dir>/config.yaml`.
+
+`--session <dir>` serves trials one after another and `--trial <dir> <case_dir>` is one trial's client
+(`zbench.engine.session`)."""
 
 import os
 import sys
@@ -17,8 +20,14 @@ def private_ray_env() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("--session", "--trial"):
+        private_ray_env()
+        from zbench.engine.session import main as session_main
+
+        sys.exit(session_main(sys.argv[1:]))
     if len(sys.argv) != 2:
-        print("usage: python -m zbench.engine <case_dir>", file=sys.stderr)
+        print("usage: python -m zbench.engine <case_dir> | --session <dir> | --trial <dir> <case_dir>",
+              file=sys.stderr)
         sys.exit(2)
     private_ray_env()
     from zbench.engine.trainer import main

@@ -49,3 +49,16 @@ def freeze_survivors() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release_dropped() -> None:
+    """Free what a worker just dropped (its engines, before building the next ones): thaw the frozen heap, so the
+    collector can reach the dropped objects' reference cycles; collect; give the freed heap back to the system
+    (glibc's `malloc_trim`, where there is one), so the process's resident size again says what it holds."""
+    import contextlib
+    import ctypes
+
+    gc.unfreeze()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

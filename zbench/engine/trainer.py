@@ -93,8 +93,12 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 class Trainer:
     """Drives one case from its directory."""
 
-    def __init__(self, case_dir: Path):
+    def __init__(self, case_dir: Path, process_dir: Path | None = None):
         self.case_dir = case_dir
+        # where what belongs to the processes rather than to the case lives (Ray's temp folder, the workers' stack
+        # registrations): the case's own folder, or a session's, whose processes serve one trial after another
+        self.process_dir = process_dir or case_dir
+        self.session: dict[str, Any] | None = None  # which session and trial, where a session serves this case
         self.cfg: RunConfig = load_case_config(case_dir / casedir.CONFIG, complete=True)
         want = self.cfg.trainer.device
         if want == "cuda" and not torch.cuda.is_available():
@@ -133,7 +137,7 @@ class Trainer:
         from zbench.engine.workers import CriticWorker, PolicyWorker
 
         t = self.cfg.trainer
-        start_ray(self.case_dir, t.world_size, self.on_cuda)
+        start_ray(self.process_dir, t.world_size, self.on_cuda)
         self.records.beat()
         critic = self.cfg.needs_critic
         self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if critic else 1)
@@ -143,7 +147,7 @@ class Trainer:
         env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
-        args = (self.cfg, str(self.case_dir.resolve()), str(self.model_path))
+        args = (self.cfg, str(self.process_dir.resolve()), str(self.model_path))
         self.policy = self.placement.group(PolicyWorker, env, *args)
         self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
@@ -318,26 +322,58 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
+        """Train the case: start its workers, run its steps (from its checkpoint, if any), record its result."""
+        try:
+            self.open()
+            return self.train()
+        finally:
+            self._shutdown()
+
+    def open(self) -> None:
+        """What every step needs, once per process: the tokenizer, the prompts, Ray and the workers."""
         from transformers import AutoConfig, AutoTokenizer
 
         from zbench.models import resolve_model, special_ids
 
-        cfg = self.cfg
-        started = time.time()
-        self.model_path = resolve_model(cfg.model.path)
+        self.started = time.time()
+        self.model_path = resolve_model(self.cfg.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model_config = AutoConfig.from_pretrained(self.model_path)
         self.pad_id, _ = special_ids(str(self.model_path))
         self.prompts = self._prompts(self.tokenizer)
+        self.policy = self.critic = None
+        self._start_workers()
+
+    def retarget(self, case_dir: Path) -> None:
+        """Serve `case_dir` next, a trial of the case this process was opened for at another batch geometry
+        (`zbench.engine.session`): the workers build their models again for it (`reconfigure`), the rollout
+        engine and everything else stay. Any other difference is a config error naming the keys."""
+        from zbench.config import trial_differences
+
+        cfg = load_case_config(case_dir / casedir.CONFIG, complete=True)
+        if differ := trial_differences(self.cfg, cfg):
+            raise ConfigError(differ[0], f"{case_dir.name} differs from {self.cfg.name}, whose processes serve it, "
+                                         f"in {', '.join(differ)}; a trial may change only its batch geometry")
+        self.case_dir, self.cfg, self.plan = case_dir, cfg, cfg.batch_plan()
+        self.records = Records(case_dir, console="console" in cfg.trainer.logger)
+        self.started = time.time()
+        self.records.beat()
+        self.info.update(self.policy.call("reconfigure", cfg)[0])
+        self.records.beat()
+        if self.critic:
+            self.info["critic"] = self.critic.call("reconfigure", cfg)[0]
+        self.records.beat()
+
+    def train(self) -> dict[str, Any]:
+        """The case's steps, from its checkpoint if it has one, and its result."""
+        cfg = self.cfg
         offload = effective_offload(cfg.zero.stage, cfg.zero.offload)
         print(f"[zbench] case {cfg.name}: {cfg.algorithm} zero{cfg.zero.stage} offload asked={cfg.zero.offload} "
               f"effective={offload.label} world_size={cfg.trainer.world_size} "
               f"device={'cuda' if self.on_cuda else 'cpu'} model={self.model_path}", flush=True)
-        self.policy = self.critic = None
         trackers = Trackers(cfg, self.case_dir)
         completed = False
         try:
-            self._start_workers()
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             for step in range(start_step + 1, cfg.steps + 1):
@@ -349,7 +385,7 @@ class Trainer:
             result = {
                 "steps_completed": cfg.steps, "steps_target": cfg.steps, "offload_effective": offload.label,
                 "rollout_backend": self.info["backend"], "world_size": cfg.trainer.world_size,
-                "wall_s": time.time() - started, "versions": versions(),
+                "wall_s": time.time() - self.started, "versions": versions(),
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
@@ -357,12 +393,12 @@ class Trainer:
                 "fused_head": self.info.get("fused_head"),
                 "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
+                **({"session": self.session} if self.session else {}),
             }
             self.records.result(result)
             return result
         finally:
             trackers.close(completed)
-            self._shutdown()
 
     def _shutdown(self) -> None:
         import ray
@@ -380,7 +416,7 @@ class Trainer:
             self.placement.remove()
         ray.shutdown()
         # a private Ray's folder goes with it, also when the engine runs without the launcher (which removes it too)
-        remove_ray_tmpdir(self.case_dir)
+        remove_ray_tmpdir(self.process_dir)
 
 
 def main(case_dir: str) -> int:

@@ -25,7 +25,7 @@ from zbench.config import ConfigError, RunConfig, effective_offload
 from zbench.engine import algos, lm_head
 from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
 from zbench.engine.cluster import free_port, join_process_group
-from zbench.engine.heap import GcClock, freeze_survivors
+from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
@@ -54,6 +54,34 @@ def skip_zero3_param_ids(guards: Any) -> list[bool]:
     recompile limit, and the layers past it run eager. The number is an identity and never enters the
     computation; the guards on the tensors' shapes, dtypes and the parameters' gather status stay."""
     return [not entry.name.endswith(".ds_id") for entry in guards]
+
+
+def _forget_zero3_module(module: torch.nn.Module) -> None:
+    """ZeRO-3 keeps every engine's model reachable from module-level state that nothing clears: a stack of models
+    (`parameter_offload.FWD_MODULE_STACK`) and the parameter coordinator's memoized release sets, a class-level
+    cache keyed by the model's submodules. An engine dropped in a process that goes on would keep its parameters'
+    partitions (and, through the hooks, its optimizer) alive. Take the model off the stack and empty the caches
+    (memos: the engines still alive compute theirs again)."""
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+    coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
+    for attr in vars(coordinator).values() if coordinator is not None else ():
+        # the memo may sit inside a wrapper (DeepSpeed's NVTX instrumentation): look in its closure too
+        inner = [cell.cell_contents for cell in getattr(attr, "__closure__", None) or () if _cell_full(cell)]
+        for fn in (attr, *inner):
+            if callable(getattr(fn, "cache_clear", None)):
+                fn.cache_clear()
+
+
+def _cell_full(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def zero3_leaf_layers(model: torch.nn.Module, layers: torch.nn.ModuleList) -> int:
@@ -135,6 +163,34 @@ class _Worker:
         self.gc_clock = GcClock()
         self.heap_frozen = 0  # objects frozen after the first step's report (`zbench.engine.heap`)
         self.choose_attention_kernels()
+
+    models: tuple[str, ...] = ("engine",)  # the attributes holding what `setup` builds from the checkpoint
+
+    def setup(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reconfigure(self, cfg: RunConfig) -> dict[str, Any]:
+        """Become the worker of `cfg`, a trial of the same case at another batch geometry (`zbench.engine.session`):
+        the models are dropped and built again from the checkpoint with the case's seed, as a new process builds
+        them, so every trial starts where a case starts. The process group and the policy's rollout engine stay.
+        Peak memory, collector pauses and the frozen heap start again; returns what `setup` returns."""
+        for name in self.models:
+            model = getattr(self, name, None)
+            if model is not None and hasattr(model, "destroy"):  # a DeepSpeed engine: its hooks and buffers
+                model.destroy()
+                _forget_zero3_module(model.module)
+            setattr(self, name, None)
+        release_dropped()
+        self.heap_frozen = 0
+        if self.on_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.device_peak_gb = 0.0
+        self.gc_clock.take()
+        self.fused, self.compiled_layers = {}, 0
+        return self.setup()
 
     def choose_attention_kernels(self) -> None:
         """PyTorch's cuDNN attention builds an execution plan for every new shape, milliseconds of host time per
@@ -355,9 +411,10 @@ class PolicyWorker(_Worker):
     """Actor (DeepSpeed, trained), rollout replica (generation) and frozen reference, on one rank."""
 
     role = "actor"
+    models = ("engine", "ref")
 
     def setup(self) -> dict[str, Any]:
-        """Build the actor engine, the reference and the rollout replica."""
+        """Build the actor engine, the reference and (unless one is kept from an earlier trial) the rollout."""
         from transformers import AutoModelForCausalLM
 
         cfg, plan = self.cfg, self.cfg.batch_plan()
@@ -365,8 +422,9 @@ class PolicyWorker(_Worker):
                                        cfg.actor.weight_decay, cfg.actor.grad_clip)
         self.engine = self._initialize(self._load(AutoModelForCausalLM, ds_cfg), ds_cfg)
         self.ref = self._build_ref() if cfg.needs_reference else None
-        pad_id, eos_ids = special_ids(self.model_path)
-        self.rollout = self._build_rollout(pad_id, eos_ids)
+        if getattr(self, "rollout", None) is None:
+            pad_id, eos_ids = special_ids(self.model_path)
+            self.rollout = self._build_rollout(pad_id, eos_ids)
         self.choose_attention_kernels()
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())

@@ -30,6 +30,16 @@ RESULT = "result.json"
 TRAIN_LOG = "train.log"
 HEARTBEAT = "heartbeat"
 STACK_PIDS = "stack_pids"  # one line per engine process that prints its stack on request (zbench.stacks)
+# A trial session's folder, `<case>.session` beside the trial folders (zbench.engine.session): the serving process's
+# console, who it is, whether it waits for a request, the request it is sent, what it answers, and the harness's
+# word to stop.
+SESSION_SUFFIX = ".session"
+SESSION_LOG = "session.log"
+SESSION_SERVER = "server"
+SESSION_IDLE = "idle"
+SESSION_REQUEST = "request.json"
+SESSION_DONE = "done.json"
+SESSION_STOP = "stop"
 RAY_TMPDIR_FILE = "ray_tmpdir"  # the Ray temp folder the engine used, so the harness can sweep its processes
 CKPT_DIR = "ckpt"
 CKPT_STATE = "state.json"  # inside ckpt/: written last, so a checkpoint counts only once this names it
