@@ -35,14 +35,15 @@ class _CompiledOnCpu(PolicyWorker):
 
     graphs = 0
 
+    @staticmethod
+    def counting(gm, example_inputs):  # type: ignore[no-untyped-def]
+        # one backend for every compile, as "inductor" is one: Dynamo guards on which backend compiled a graph
+        _CompiledOnCpu.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     def _load(self, auto_cls, ds_config, **kwargs):  # type: ignore[no-untyped-def]
         model = super()._load(auto_cls, ds_config, **kwargs)
-
-        def counting(gm, example_inputs):  # type: ignore[no-untyped-def]
-            type(self).graphs += 1
-            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-        self._compile_layers(model, backend=counting)
+        self._compile_layers(model, backend=self.counting)
         return model
 
 

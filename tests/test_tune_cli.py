@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from zbench import procs
 from zbench.harness.tune_search import TOLERANCE
+from zbench.runroot import casedir
 
 ZBENCH = [sys.executable, "-m", "zbench"]
 CASES = ["zero1_no_offload", "zero2_no_offload"]
@@ -80,6 +83,34 @@ def test_tune_finds_and_records_a_geometry_per_case(tuned: tuple[Path, subproces
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["tune"]["stopped"] is None
     assert all(manifest["tune"]["cases"][c]["complete"] for c in CASES)
+    # each case's trials were served one after another by one session of its own
+    for case in CASES:
+        served = [json.loads((root / r["trial_dir"] / "result.json").read_text())["session"]
+                  for r in rows if r["case"] == case]
+        assert served == [{"dir": f"{case}.session", "trial": k} for k in range(1, len(served) + 1)], served
+    assert not procs.processes_mentioning(str(root))
+
+
+def test_a_trial_served_by_a_session_equals_the_case_run_afresh(
+        tuned: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+    """A later trial of a session (its workers rebuilt for the trial's geometry after another trial) records the
+    same numbers as the same config run as a case in a process of its own."""
+    root, _ = tuned
+    later = [r for r in trials(root)
+             if json.loads((root / r["trial_dir"] / "result.json").read_text())["session"]["trial"] > 1]
+    assert later, "no trial was served after another"
+    served = root / later[0]["trial_dir"]
+    fresh = tmp_path / served.name
+    fresh.mkdir()
+    shutil.copy(served / "config.yaml", fresh / "config.yaml")
+    res = subprocess.run([*ZBENCH[:2], "zbench.engine", str(fresh)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    a, b = (casedir.read_metrics(d).records for d in (served, fresh))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b, strict=True):
+        for key, value in ra.items():
+            if not key.startswith(("timing_s/", "perf/")) and key != "time":
+                assert rb[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (ra["step"], key)
 
 
 def test_tuned_matrix_runs_and_reports_its_frontier(tuned: tuple[Path, subprocess.CompletedProcess[str]],
@@ -120,10 +151,11 @@ def test_an_over_budget_trial_is_skipped_with_its_reason(tmp_path: Path) -> None
 
 def test_a_tune_stopped_by_its_time_budget_writes_what_it_found(
         tuned: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
-    # a budget of about two and a half trials: the first trial finishes, the search of two cases cannot
+    # a budget of two of the longest trials (a case's first, which starts its session): the first trial finishes,
+    # the search of two cases, each starting a session of its own, cannot
     longest = max(float(r["wall_s"]) for r in trials(tuned[0]))
     proc = zbench("tune", "six-case", "--cases", ",".join(CASES), "--steps", "2", "--time-budget",
-                  f"{2.5 * longest:.0f}", "--results-dir", str(tmp_path))
+                  f"{2 * longest:.0f}", "--results-dir", str(tmp_path))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "stopped early: time budget" in proc.stderr
     root = only_root(tmp_path)

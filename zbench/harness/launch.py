@@ -377,6 +377,7 @@ class LaunchOptions:
     retries: int = 1  # extra attempts for transient failures (timeout, lost worker, NCCL/gloo errors)
     kill_grace_s: float = 10.0  # SIGTERM → SIGKILL delay when stopping a case
     poll_s: float = 0.5  # watchdog and progress poll interval
+    before_attempt: Callable[[], None] | None = None  # called before each attempt (a trial session's server)
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -518,6 +519,8 @@ def run_cases(
                     attempt = state.next_attempt - 1
                     for retry in range(options.retries + 1):
                         attempt += 1
+                        if options.before_attempt is not None:
+                            options.before_attempt()
                         if progress is not None:
                             progress.case_started(name, cdir, attempt, cfg.steps)
                         outcome = run_attempt(

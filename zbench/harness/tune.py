@@ -5,7 +5,10 @@
 
 Each trial is a short real run of the case (a warm-up step, then timed steps) in its own case directory
 `<case>.t<k>` of one run root, started and classified by the same launcher as `zbench run` (an out-of-memory trial
-is a recorded outcome, never fatal). A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU)
+is a recorded outcome, never fatal). The trials of a case share one engine process, its Ray, workers and rollout
+engine (`zbench.engine.session`, served from `<case>.session`): a trial after the first pays for building the
+models at its geometry, not for starting everything again. A trial that fails ends its session; the next trial
+starts a new one. A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU)
 exceeds the budget is `over_budget`. Which geometry comes next is `zbench.harness.tune_search`'s job; keys the
 case's matrix entry or `--set` gives are fixed, never tuned. On CUDA with `rollout.backend: vllm` every trial fits
 the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least memory at which a rollout never waits for cache)
@@ -15,6 +18,7 @@ unless the case fixes `rollout.kv_cache_fit` or `rollout.gpu_memory_utilization`
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +33,7 @@ from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrice
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
 from zbench.harness.runs import RunRequest, describe_device_defaults, plan_cases, prepare_models
+from zbench.harness.sessions import TrialServer
 from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
 from zbench.runroot import casedir
 from zbench.runroot.root import RunRoot
@@ -222,6 +227,18 @@ class _Tuner:
     out: TextIO
     rows: list[dict] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)  # every trial's seconds, for the time budget
+    servers: dict[str, TrialServer] = field(default_factory=dict)  # each case's trial session
+
+    def server(self, case: str) -> TrialServer:
+        if case not in self.servers:
+            self.servers[case] = TrialServer(self.root.path / f"{case}{casedir.SESSION_SUFFIX}",
+                                             self.profile.command(), self.profile.case_env())
+        return self.servers[case]
+
+    def close_servers(self) -> None:
+        """Stop every case's session (a tuned case's memory goes back before the next case's trials)."""
+        for server in self.servers.values():
+            server.close()
 
     def say(self, text: str) -> None:
         print(f"[tune] {text}", file=self.out, flush=True)
@@ -242,6 +259,12 @@ class _Tuner:
 
     def tune_case(self, tune: CaseTune) -> str | None:
         """Run one case's search to its end; returns why the tune stopped early, or None."""
+        try:
+            return self._search(tune)
+        finally:
+            self.close_servers()
+
+    def _search(self, tune: CaseTune) -> str | None:
         name = tune.case.name
         plan = tune.search.plan()
         geometry = next(plan, None)
@@ -285,8 +308,11 @@ class _Tuner:
         model_gb, offset_gb = tune.search.space.predict_gb(g), tune.search.offset_gb()
         self.root.update_manifest(cases=[*self.root.manifest["cases"], {
             "name": trial, "dir": trial, "overrides": {**tune.case.overrides, **overrides}}])
-        options = options_for_profile(self.profile, case_timeout_s=left_s, step_timeout_s=self.req.step_timeout_s,
-                                      retries=self.req.retries)
+        server = self.server(tune.case.name)
+        options = dataclasses.replace(
+            options_for_profile(self.profile, case_timeout_s=left_s, step_timeout_s=self.req.step_timeout_s,
+                                retries=self.req.retries),
+            command=server.client_command(), before_attempt=server.ensure_running)
         t0 = self.clock()
         try:
             with make_progress([(trial, cfg.steps)], stream=self.out) as progress:
@@ -358,6 +384,7 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
         stopped = "interrupted by a signal"
         raise
     finally:
+        tuner.close_servers()
         tuner.write()
         root.write_summary()
         root.update_manifest(ended_at=casedir.utc_now(), tune={**tuner.manifest_entry(stopped),

@@ -11,15 +11,13 @@ from typing import Any
 
 import yaml
 
+from zbench.config import TRIAL_GEOMETRY_KEYS
 from zbench.runroot.casedir import RunRootError, atomic_write_text
 
 TUNING = "tuning.tsv"
 TUNED = "tuned.yaml"
 
-GEOMETRY_KEYS = (
-    "actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu", "actor.forward_micro_batch_size_per_gpu",
-    "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing", "rollout.kv_cache_fit",
-)  # fmt: skip
+GEOMETRY_KEYS = (*TRIAL_GEOMETRY_KEYS, "rollout.kv_cache_fit")  # a case's KV cache is the same in all its trials
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 FORWARD_PHASES = ("old_log_prob", "ref", "values")  # the gradient-free passes the forward micro-batch sizes
 TUNING_COLUMNS = (

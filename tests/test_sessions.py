@@ -1,0 +1,125 @@
+"""Trial sessions (`zbench.engine.session`): one engine process serving a case's trials one after another.
+
+A worker rebuilt for another geometry frees its old models (also compiled ones) and updates as a new worker
+does; through real processes, a trial that runs out of memory and one that hangs each end their session with the
+outcome the launcher gives a case (oom; timeout with the stacks of the serving processes in the trial's log), the
+next trial is served by a new session, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from test_compile_layers import _CompiledOnCpu
+from test_old_log_prob import _batch, _cfg
+
+from zbench import procs
+from zbench.config import from_dict, trial_differences
+from zbench.engine.cluster import free_port
+from zbench.harness.launch import LaunchOptions, run_cases
+from zbench.harness.sessions import TrialServer
+from zbench.models import resolve_model
+from zbench.runroot import casedir
+from zbench.runroot.root import RunRoot
+
+ENGINE = (sys.executable, "-m", "zbench.engine")
+
+
+def test_only_geometry_and_trial_bounds_may_differ_between_trials():
+    base = from_dict(_cfg())
+    other = from_dict(_cfg(actor={"micro_batch_size_per_gpu": 2}, model={"gradient_checkpointing": True},
+                           trainer={"save_freq": 0, "logger": ["console"]}))
+    assert trial_differences(base, other) == []
+    assert trial_differences(base, from_dict(_cfg(zero={"stage": 3}, actor={"lr": 0.5}))) == ["actor.lr",
+                                                                                               "zero.stage"]
+
+
+def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one():
+    """ZeRO-3 with compiled leaf layers (through AOTAutograd on the CPU): after `reconfigure` to another micro-batch
+    with checkpointing, the old engine is gone (DeepSpeed's module-level references to it included), the update
+    equals a freshly built worker's at that geometry, and going back to the first geometry compiles nothing new."""
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
+    first = from_dict(_cfg(zero={"stage": 3}))
+    second = from_dict(_cfg(zero={"stage": 3}, actor={"micro_batch_size_per_gpu": 2},
+                            model={"gradient_checkpointing": True}))
+    torch._dynamo.reset()
+    worker = _CompiledOnCpu(first, 0, 1, case_dir, model_path)
+    worker.join("127.0.0.1", free_port())
+    worker.setup()
+    batch = _batch(pad_id=0)
+    worker.update_actor(batch)
+    worker.memory()  # the first report freezes the heap, as in a case
+    old = weakref.ref(worker.engine.module)
+    info = worker.reconfigure(second)
+    gc.collect()
+    assert old() is None, "the first trial's model is still referenced"
+    assert info["compiled_layers"] == 2 and worker.cfg.actor.micro_batch_size_per_gpu == 2
+    served = worker.update_actor(batch)
+    fresh = _CompiledOnCpu(second, 0, 1, case_dir, model_path)
+    fresh.setup()
+    expected = fresh.update_actor(batch)
+    assert torch.allclose(served.pop("old_log_probs"), expected.pop("old_log_probs"), atol=1e-6)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert served[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    # the rebuilt models run the graphs compiled for the first: a later trial compiles nothing it has seen
+    seen = _CompiledOnCpu.graphs
+    worker.reconfigure(first)
+    worker.update_actor(batch)
+    assert _CompiledOnCpu.graphs == seen
+    torch._dynamo.reset()
+
+
+def test_failed_trials_end_their_session_and_the_next_trial_gets_a_new_one(tmp_path: Path):
+    """Three trials of one case through the launcher and one TrialServer: an injected out-of-memory error (oom,
+    its line as the reason), a hang (timeout, the serving processes' stacks in the trial's train.log), then a
+    clean trial, served as the first trial of a third session."""
+    trials = {"c.t1": "oom@1", "c.t2": "hang@2", "c.t3": ""}
+    configs = [(name, from_dict({"name": name, "steps": 2, "seed": 5, "algorithm": "grpo", "rollout": {"n": 2},
+                                 "trainer": {"fault": fault, "logger": ["console"]}})) for name, fault in trials.items()]
+    root = RunRoot.create(tmp_path / "results", "sessions", matrix="sessions", matrix_file=None, seed=5, steps=2,
+                          cases=[], command=["test"])
+    server = TrialServer(root.path / f"c{casedir.SESSION_SUFFIX}", ENGINE, {})
+    options = LaunchOptions(command=server.client_command(), step_timeout_s=25, retries=0,
+                            before_attempt=server.ensure_running)
+    try:
+        statuses = [run_cases(root, [config], options)[0] for config in configs]
+    finally:
+        server.close()
+    assert [s["status"] for s in statuses] == ["oom", "timeout", "completed"], statuses
+    assert "injected by trainer.fault=oom@1" in statuses[0]["reason"]
+    hung = (root.case_dir("c.t2") / casedir.TRAIN_LOG).read_text()
+    assert "step timeout: no heartbeat for 25 s" in hung and "in _hang_in_barrier" in hung
+    assert server.starts == 3
+    result = json.loads((root.case_dir("c.t3") / casedir.RESULT).read_text())
+    assert result["session"] == {"dir": "c.session", "trial": 1} and result["steps_completed"] == 2
+    assert not procs.case_processes(server.dir) and not procs.processes_mentioning(str(root.path))
+    assert not casedir.ray_tmpdir(server.dir).exists()
+
+
+def test_a_trial_that_changes_more_than_its_geometry_is_refused(tmp_path: Path):
+    """The server refuses a later trial whose config differs in anything but the geometry (the rollout engine
+    and everything else are kept): a config error naming the keys, which ends the session."""
+    root = RunRoot.create(tmp_path / "results", "sessions", matrix="sessions", matrix_file=None, seed=5, steps=1,
+                          cases=[], command=["test"])
+    base = {"steps": 1, "seed": 5, "algorithm": "grpo", "rollout": {"n": 2}, "trainer": {"logger": ["console"]}}
+    configs = [("c.t1", from_dict({**base, "name": "c.t1"})),
+               ("c.t2", from_dict({**base, "name": "c.t2", "rollout": {"n": 2, "temperature": 0.5}}))]
+    server = TrialServer(root.path / f"c{casedir.SESSION_SUFFIX}", ENGINE, {})
+    options = LaunchOptions(command=server.client_command(), retries=0, before_attempt=server.ensure_running)
+    try:
+        first = run_cases(root, [configs[0]], options)[0]
+        # the same server must get the second trial: no new start between them
+        second = run_cases(root, [configs[1]], options)[0]
+    finally:
+        server.close()
+    assert first["status"] == "completed" and server.starts == 1
+    assert second["status"] == "failed" and second["reason"].startswith("config error: ")
+    assert "rollout.temperature" in second["reason"] and "a trial may change only its batch geometry" in second["reason"]
