@@ -14,6 +14,7 @@ import sys
 import tempfile
 import weakref
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -41,29 +42,45 @@ def test_only_geometry_and_trial_bounds_may_differ_between_trials():
                                                                                                "zero.stage"]
 
 
-def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one():
-    """ZeRO-3 with compiled leaf layers (through AOTAutograd on the CPU): after `reconfigure` to another micro-batch
-    with checkpointing, the old engine is gone (DeepSpeed's module-level references to it included), the update
-    equals a freshly built worker's at that geometry, and going back to the first geometry compiles nothing new."""
+class _Watched(_CompiledOnCpu):
+    """Notes, when `setup` starts, whether any model it was told to watch is still alive."""
+
+    watch: ClassVar[list[weakref.ref]] = []
+    alive_at_setup: ClassVar[list[bool]] = []
+
+    def setup(self):  # type: ignore[no-untyped-def]
+        gc.collect()
+        self.alive_at_setup.append(any(ref() is not None for ref in self.watch))
+        return super().setup()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one(stage: int):
+    """Compiled layers (through AOTAutograd on the CPU): `reconfigure` to another micro-batch with checkpointing
+    frees the actor and the reference before building their successors (DeepSpeed's module-level references to
+    them included), the update equals a freshly built worker's at that geometry, and going back to the first
+    geometry compiles nothing new."""
     model_path = str(resolve_model("tiny"))
     case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
-    first = from_dict(_cfg(zero={"stage": 3}))
-    second = from_dict(_cfg(zero={"stage": 3}, actor={"micro_batch_size_per_gpu": 2},
+    first = from_dict(_cfg(zero={"stage": stage}))
+    second = from_dict(_cfg(zero={"stage": stage}, actor={"micro_batch_size_per_gpu": 2},
                             model={"gradient_checkpointing": True}))
     torch._dynamo.reset()
-    worker = _CompiledOnCpu(first, 0, 1, case_dir, model_path)
+    _Watched.watch, _Watched.alive_at_setup = [], []
+    worker = _Watched(first, 0, 1, case_dir, model_path)
     worker.join("127.0.0.1", free_port())
     worker.setup()
     batch = _batch(pad_id=0)
     worker.update_actor(batch)
     worker.memory()  # the first report freezes the heap, as in a case
-    old = weakref.ref(worker.engine.module)
-    info = worker.reconfigure(second)
-    gc.collect()
-    assert old() is None, "the first trial's model is still referenced"
+    assert worker.ref is not None  # the KL loss needs the reference
+    _Watched.watch = [weakref.ref(getattr(m, "module", m)) for m in (worker.engine, worker.ref)]
+    info = worker.reconfigure(second, case_dir)
+    assert _Watched.alive_at_setup[-1] is False, "a model of the first trial was alive while the next was built"
     assert info["compiled_layers"] == 2 and worker.cfg.actor.micro_batch_size_per_gpu == 2
     served = worker.update_actor(batch)
-    fresh = _CompiledOnCpu(second, 0, 1, case_dir, model_path)
+    _Watched.watch = []
+    fresh = _Watched(second, 0, 1, case_dir, model_path)
     fresh.setup()
     expected = fresh.update_actor(batch)
     assert torch.allclose(served.pop("old_log_probs"), expected.pop("old_log_probs"), atol=1e-6)
@@ -71,7 +88,7 @@ def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one():
         assert served[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
     # the rebuilt models run the graphs compiled for the first: a later trial compiles nothing it has seen
     seen = _CompiledOnCpu.graphs
-    worker.reconfigure(first)
+    worker.reconfigure(first, case_dir)
     worker.update_actor(batch)
     assert _CompiledOnCpu.graphs == seen
     torch._dynamo.reset()

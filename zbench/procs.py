@@ -30,6 +30,8 @@ from zbench.runroot import casedir
 
 SUPERVISOR_ENV = "ZBENCH_SUPERVISOR"  # "<pid>:<create time>" of the process supervising a case
 ATTEMPT_ENV = "ZBENCH_ATTEMPT"  # the attempt number of this run of the case (trainer.fault fires on the first)
+# where the engine's processes register (stack_pids): the case folder, or a trial session's (zbench.engine.session)
+PROCESS_DIR_ENV = "ZBENCH_PROCESS_DIR"
 SUPERVISOR_POLL_S = 1.0  # how often the engine checks that its supervisor is still there
 _RAY_TMPDIR_NAME = re.compile(r"zbench-ray-[0-9a-f]{10}")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from zbench import procs, stacks
 from zbench.runroot import casedir
 
 POLL_S = 0.1
-DRAIN_S = 0.5  # after the answer: the last lines Ray forwards from the workers reach the log
+DRAIN_S = 1.0  # after the answer: the last lines Ray forwards from the workers reach the log
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -65,6 +66,7 @@ def serve(session_dir: Path) -> int:
         while (request := _next_request(session_dir)) is not None:
             served += 1
             case_dir = Path(request["case_dir"])
+            os.environ[procs.ATTEMPT_ENV] = str(request.get("attempt", 1))  # trainer.fault fires on the first
             watching = _watch_client(session_dir, request["client"], case_dir.name)
             print(f"[session] trial {served}: {case_dir.name}", flush=True)
             try:
@@ -103,8 +105,10 @@ def _next_request(session_dir: Path) -> dict[str, Any] | None:
             return None
         found = _read(request)
         if found is not None:
-            idle.unlink()
             request.unlink()
+            if not procs.is_running(str(found.get("client", ""))):  # its client is gone already: nobody waits
+                continue
+            idle.unlink()
             return found
         time.sleep(POLL_S)
 
@@ -126,11 +130,25 @@ def _watch_client(session_dir: Path, client: str, trial: str) -> threading.Event
 
 
 def run_trial(session_dir: Path, case_dir: Path) -> int:
-    """Have the session's server run the trial in `case_dir`, relaying its console; exit as the trial ended."""
+    """Have the session's server run the trial in `case_dir`, relaying its console; exit as the trial ended.
+
+    Stopped (SIGTERM: its timeout fired, the run was interrupted) before the answer, the client first takes the
+    server and its processes down, so that nothing writes into the trial's folder once the launcher has
+    classified it."""
     stacks.forward_stack_dumps(case_dir, session_dir)
     procs.watch_supervisor(case_dir)
     server = (session_dir / casedir.SESSION_SERVER)
     ident = server.read_text().strip() if server.is_file() else ""
+    answered = threading.Event()
+
+    def on_term(signum: int, frame: object) -> None:
+        if not answered.is_set():
+            print("[session] trial stopped: stopping the session's processes", flush=True)
+            pid = int(ident.partition(":")[0]) if ident and procs.is_running(ident) else None
+            procs.kill_processes(pid, procs.case_processes(session_dir), 2.0)  # the server leads its group
+        os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
     log = session_dir / casedir.SESSION_LOG
     if not ident or not procs.is_running(ident):
         print(f"[session] no server runs for {session_dir} ({ident or 'none started'}); the end of its log:",
@@ -141,7 +159,8 @@ def run_trial(session_dir: Path, case_dir: Path) -> int:
     offset = log.stat().st_size if log.exists() else 0
     request_id = uuid.uuid4().hex
     casedir.atomic_write_json(session_dir / casedir.SESSION_REQUEST, {
-        "id": request_id, "case_dir": str(case_dir.resolve()), "client": procs.identity()})
+        "id": request_id, "case_dir": str(case_dir.resolve()), "client": procs.identity(),
+        "attempt": int(os.environ.get(procs.ATTEMPT_ENV, "1"))})
     done_path = session_dir / casedir.SESSION_DONE
     code: int | None = None
     ended_at: float | None = None
@@ -150,6 +169,7 @@ def run_trial(session_dir: Path, case_dir: Path) -> int:
         done = _read(done_path)
         if code is None and done is not None and done.get("id") == request_id:
             code, ended_at = int(done["exit"]), time.monotonic()
+            answered.set()
         elif code is None and not procs.is_running(ident):
             code, ended_at = 1, time.monotonic()
             print("[session] the server ended before answering", flush=True)

@@ -34,7 +34,7 @@ from zbench.engine.faults import maybe_inject
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
-from zbench.procs import remove_ray_tmpdir, watch_supervisor
+from zbench.procs import PROCESS_DIR_ENV, remove_ray_tmpdir, watch_supervisor
 from zbench.runroot import casedir
 from zbench.stacks import enable_stack_dumps
 
@@ -144,10 +144,11 @@ class Trainer:
         # CPU workers take the configured threads; a GPU rank takes its host's share of the cores (the actor and
         # the critic of a rank never compute at the same time), which CPU Adam needs when offloading
         threads = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count())) if self.on_cuda else t.torch_threads
-        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+        env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
+               PROCESS_DIR_ENV: str(self.process_dir.resolve())}
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
-        args = (self.cfg, str(self.process_dir.resolve()), str(self.model_path))
+        args = (self.cfg, str(self.case_dir.resolve()), str(self.model_path))
         self.policy = self.placement.group(PolicyWorker, env, *args)
         self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
@@ -358,10 +359,14 @@ class Trainer:
         self.records = Records(case_dir, console="console" in cfg.trainer.logger)
         self.started = time.time()
         self.records.beat()
-        self.info.update(self.policy.call("reconfigure", cfg)[0])
+        groups = [g for g in (self.policy, self.critic) if g is not None]
+        for group in groups:  # all released before any rebuilds, as a new process starts with nothing
+            group.call("release")
+        where = str(case_dir.resolve())
+        self.info.update(self.policy.call("reconfigure", cfg, where)[0])
         self.records.beat()
         if self.critic:
-            self.info["critic"] = self.critic.call("reconfigure", cfg)[0]
+            self.info["critic"] = self.critic.call("reconfigure", cfg, where)[0]
         self.records.beat()
 
     def train(self) -> dict[str, Any]:

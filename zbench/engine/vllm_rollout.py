@@ -153,12 +153,17 @@ class VLLMRollout:
         mask = response_mask_from(responses, self.eos_ids, self.pad_id)
         self.awake_used_gb = gpu_memory_in_use_gb()  # the GPU's use with the engine awake, before it sleeps
         if sleep:
-            self.llm.sleep(level=2)  # training takes the memory back; every weight is pushed again before waking
-            self.asleep = True
+            self.sleep()  # training takes the memory back; every weight is pushed again before waking
         out = {"responses": responses, "response_mask": mask}
         if self.log_probs:
             out["rollout_log_probs"] = logprobs * mask
         return out
+
+    def sleep(self) -> None:
+        """Release the engine's weights and KV cache (level 2) unless it sleeps already."""
+        if not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def wake(self) -> None:
         self.llm.wake_up(tags=["weights"])

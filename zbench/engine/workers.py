@@ -29,6 +29,7 @@ from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
+from zbench.procs import PROCESS_DIR_ENV
 from zbench.stacks import enable_stack_dumps
 
 
@@ -146,7 +147,8 @@ class _Worker:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.case_dir = Path(case_dir)
-        enable_stack_dumps(self.case_dir)  # a hung case prints where this worker is before it is killed
+        # a hung case prints where this worker is before it is killed
+        enable_stack_dumps(os.environ.get(PROCESS_DIR_ENV) or self.case_dir)
         self.model_path = model_path
         self.offload = effective_offload(self.cfg.zero.stage, self.cfg.zero.offload)
         self.on_cuda = self.cfg.trainer.uses_cuda()
@@ -169,23 +171,32 @@ class _Worker:
     def setup(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def reconfigure(self, cfg: RunConfig) -> dict[str, Any]:
-        """Become the worker of `cfg`, a trial of the same case at another batch geometry (`zbench.engine.session`):
-        the models are dropped and built again from the checkpoint with the case's seed, as a new process builds
-        them, so every trial starts where a case starts. The process group and the policy's rollout engine stay.
-        Peak memory, collector pauses and the frozen heap start again; returns what `setup` returns."""
+    def release(self) -> None:
+        """Drop the models `setup` built and give their memory back (device and host), for the next trial
+        (`reconfigure`). Every worker of a session releases before any rebuilds, so no rebuild runs beside
+        another process's previous models."""
         for name in self.models:
             model = getattr(self, name, None)
+            setattr(self, name, None)
             if model is not None and hasattr(model, "destroy"):  # a DeepSpeed engine: its hooks and buffers
                 model.destroy()
                 _forget_zero3_module(model.module)
-            setattr(self, name, None)
+        model = None  # the loop's last model must be unreachable before the collection and the cache release below
         release_dropped()
         self.heap_frozen = 0
         if self.on_cuda:
             torch.cuda.empty_cache()
+
+    def reconfigure(self, cfg: RunConfig, case_dir: str) -> dict[str, Any]:
+        """Become the worker of `cfg`, a trial of the same case at another batch geometry, whose folder is
+        `case_dir` (`zbench.engine.session`): the models are dropped (`release`) and built again from the checkpoint
+        with the case's seed, as a new process builds them, so every trial starts where a case starts. The process
+        group and the policy's rollout engine stay. Peak memory, collector pauses and the frozen heap start again;
+        returns what `setup` returns."""
+        self.release()
+        if self.on_cuda:
             torch.cuda.reset_peak_memory_stats()
-        self.cfg = cfg
+        self.cfg, self.case_dir = cfg, Path(case_dir)
         torch.manual_seed(cfg.seed)
         self.device_peak_gb = 0.0
         self.gc_clock.take()
@@ -412,6 +423,14 @@ class PolicyWorker(_Worker):
 
     role = "actor"
     models = ("engine", "ref")
+
+    def release(self) -> None:
+        """As every worker releases, with a vLLM rollout put to sleep first: a new process builds its training
+        engine before vLLM holds any memory, and so does a rebuild."""
+        sleep = getattr(getattr(self, "rollout", None), "sleep", None)
+        if sleep is not None:
+            sleep()
+        super().release()
 
     def setup(self) -> dict[str, Any]:
         """Build the actor engine, the reference and (unless one is kept from an earlier trial) the rollout."""

@@ -38,10 +38,16 @@ class TrialServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ready(self) -> bool:
+        """Running and waiting for a request."""
+        return self.running() and (self.dir / casedir.SESSION_IDLE).exists()
+
     def ensure_running(self) -> None:
         """Start a server unless one runs and waits for a request. A server still busy here lost its trial's
         client (timed out, stopped) and is about to stop itself: it is stopped now, with what it left."""
-        if self.running() and (self.dir / casedir.SESSION_IDLE).exists():
+        if self.ready():
+            with contextlib.suppress(FileNotFoundError):  # a request whose client never saw it through
+                (self.dir / casedir.SESSION_REQUEST).unlink()
             return
         self._clean()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -67,8 +73,9 @@ class TrialServer:
             time.sleep(0.05)
 
     def close(self, grace_s: float = 60.0) -> None:
-        """Ask the server to stop (it shuts its Ray down), then stop whatever is left."""
-        if self.running():
+        """Ask an idle server to stop (it shuts its Ray down), then stop whatever is left; a busy one (its trial's
+        client gone) is stopped at once."""
+        if self.ready():
             casedir.atomic_write_text(self.dir / casedir.SESSION_STOP, "")
             with contextlib.suppress(subprocess.TimeoutExpired):
                 assert self.proc is not None

@@ -226,7 +226,10 @@ class _Tuner:
     clock: Callable[[], float]
     out: TextIO
     rows: list[dict] = field(default_factory=list)
-    walls: list[float] = field(default_factory=list)  # every trial's seconds, for the time budget
+    # every trial's seconds, for the time budget: those that started their case's session (Ray, workers, vLLM,
+    # compiling) and those a running session served, which take a fraction of that
+    walls_started: list[float] = field(default_factory=list)
+    walls_served: list[float] = field(default_factory=list)
     servers: dict[str, TrialServer] = field(default_factory=dict)  # each case's trial session
 
     def server(self, case: str) -> TrialServer:
@@ -234,6 +237,14 @@ class _Tuner:
             self.servers[case] = TrialServer(self.root.path / f"{case}{casedir.SESSION_SUFFIX}",
                                              self.profile.command(), self.profile.case_env())
         return self.servers[case]
+
+    def expected_walls(self, case: str) -> list[float]:
+        """The trials so far that say how long the case's next one takes: served ones where its session runs and
+        waits, those that started a session otherwise (either kind where the other has none yet)."""
+        server = self.servers.get(case)
+        if server is not None and server.ready():
+            return self.walls_served or self.walls_started
+        return self.walls_started or self.walls_served
 
     def close_servers(self) -> None:
         """Stop every case's session (a tuned case's memory goes back before the next case's trials)."""
@@ -270,7 +281,7 @@ class _Tuner:
         geometry = next(plan, None)
         while geometry is not None:
             left = None if self.req.time_budget_s is None else self.req.time_budget_s - (self.clock() - self.started)
-            stop = out_of_time(self.req.time_budget_s, left, self.walls)
+            stop = out_of_time(self.req.time_budget_s, left, self.expected_walls(name))
             if stop:
                 self.say(f"{name}: stopped before {geometry.label()}: {stop}")
                 return stop
@@ -309,6 +320,7 @@ class _Tuner:
         self.root.update_manifest(cases=[*self.root.manifest["cases"], {
             "name": trial, "dir": trial, "overrides": {**tune.case.overrides, **overrides}}])
         server = self.server(tune.case.name)
+        starts = server.starts
         options = dataclasses.replace(
             options_for_profile(self.profile, case_timeout_s=left_s, step_timeout_s=self.req.step_timeout_s,
                                 retries=self.req.retries),
@@ -325,7 +337,7 @@ class _Tuner:
             self.rows.append(row)
             raise
         wall = self.clock() - t0
-        self.walls.append(wall)
+        (self.walls_started if server.starts > starts else self.walls_served).append(wall)
         timed_out = left_s is not None and status.get("status") == "timeout" \
             and str(status.get("reason", "")).startswith("case timeout")
         stop = f"time budget of {self.req.time_budget_s:g} s spent during this trial" if timed_out else None
@@ -394,7 +406,7 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
 
 def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]) -> str | None:
     """Why the next trial must not start, or None: the budget is spent, or less of it is left than the longest
-    trial so far took (a trial cut short measures nothing)."""
+    trial like it so far took (`walls`; a trial cut short measures nothing)."""
     if budget_s is None or left_s is None:
         return None
     if left_s <= 0 or (walls and max(walls) > left_s):
