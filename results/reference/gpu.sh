@@ -5,6 +5,8 @@
 #   bash results/reference/gpu.sh floor "STAGES" "OFFLOADS" SEQS SEQ_LEN  # bare-DeepSpeed floors on all GPUs
 #        ($FLOOR_HEADS: "lm", "value" or "lm value", default lm; $FLOOR_MICRO: micro-batch, default 8)
 #   bash results/reference/gpu.sh run MATRIX CASES STEPS [zbench run args...]
+#   bash results/reference/gpu.sh tune MATRIX CASES [zbench tune args...]  # each case at its best geometry, then
+#        the tuned matrix run for $TUNED_STEPS steps (default 10), both at the reference config, both packed
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
@@ -66,10 +68,28 @@ run)
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"
   ;;
+tune)  # $TUNE_BUDGET_S bounds the tune (default 420 s, --time-budget: a stopped tune keeps what it found)
+  matrix=$1; cases=$2; shift 2
+  ref=(--set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" --set rollout.backend=vllm
+       --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512
+       --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512
+       --set actor.lr=1e-6 --set critic.lr=1e-5)
+  timeout -s INT -k 30 $(( ${TUNE_BUDGET_S:-420} + 120 )) python3 -m zbench tune "$matrix" --cases "$cases" --seed 7777 \
+    --results-dir /tmp/zbench-results --tag "gpu-tune-$matrix" --time-budget "${TUNE_BUDGET_S:-420}" "${ref[@]}" "$@" \
+    2>&1 | grep '^\[tune\]\|^trials\|^tuned\|stopped' | tail -n 40
+  root=$(ls -d /tmp/zbench-results/gpu-tune-"$matrix"_* | tail -n 1)
+  tar -czf "$out/tune-$matrix.tgz" -C "$(dirname "$root")" "$(basename "$root")"
+  if [ -f "$root/tuned.yaml" ] && [ "${TUNED_STEPS:-10}" -gt 0 ]; then
+    timeout -s INT -k 30 "${RUN_BUDGET_S:-540}" python3 -m zbench run "$root/tuned.yaml" --steps "${TUNED_STEPS:-10}" \
+      --seed 7777 --results-dir /tmp/zbench-results --tag "gpu-tuned-$matrix" --retries 0 2>&1 | tail -n 15
+    run=$(ls -d /tmp/zbench-results/gpu-tuned-"$matrix"_* | tail -n 1)
+    tar --exclude=ckpt -czf "$out/run-tuned-$matrix.tgz" -C "$(dirname "$run")" "$(basename "$run")"
+  fi
+  ;;
 pack-ops)
   tar -czf "$out/dsops.tgz" -C ~/.cache torch_extensions && ls -la "$out/dsops.tgz"
   ;;
 *)
-  echo "unknown step $step: prep | gen | floor | run | pack-ops" >&2; exit 2
+  echo "unknown step $step: prep | gen | floor | run | tune | pack-ops" >&2; exit 2
   ;;
 esac
