@@ -516,14 +516,15 @@ TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.save_freq", "tra
 
 def trial_differences(a: RunConfig, b: RunConfig) -> list[str]:
     """The dotted keys, other than `TRIAL_KEYS`, on which two configs differ."""
-    da, db = to_dict(a), to_dict(b)
+    return [k for k in dotted_keys() if k not in TRIAL_KEYS and dotted_value(a, k) != dotted_value(b, k)]
 
-    def value(data: Mapping[str, Any], key: str) -> Any:
-        for part in key.split("."):
-            data = data[part]
-        return data
 
-    return [k for k in dotted_keys() if k not in TRIAL_KEYS and value(da, k) != value(db, k)]
+def dotted_value(cfg: RunConfig, key: str) -> Any:
+    """The value of dotted `key` (`zero.stage`) in `cfg`."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 # --------------------------------------------------------------------------------------------------- loading

@@ -11,6 +11,8 @@ collected as before. `GcClock` measures the pauses, reported per step as `perf/g
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import time
 from typing import Any
@@ -55,9 +57,6 @@ def release_dropped() -> None:
     """Free what a worker just dropped (its engines, before building the next ones): thaw the frozen heap, so the
     collector can reach the dropped objects' reference cycles; collect; give the freed heap back to the system
     (glibc's `malloc_trim`, where there is one), so the process's resident size again says what it holds."""
-    import contextlib
-    import ctypes
-
     gc.unfreeze()
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):

@@ -72,11 +72,10 @@ def serve(session_dir: Path) -> int:
             try:
                 if trainer is None:
                     trainer = Trainer(case_dir, process_dir=session_dir)
-                    trainer.session = {"dir": session_dir.name, "trial": served}
                     trainer.open()
                 else:
-                    trainer.session = {"dir": session_dir.name, "trial": served}
                     trainer.retarget(case_dir)
+                trainer.session = {"dir": session_dir.name, "trial": served}  # result.json says who served it
                 trainer.train()
             except ConfigError as err:
                 print(f"ConfigError: {err}", flush=True)
@@ -91,7 +90,7 @@ def serve(session_dir: Path) -> int:
                 break
     finally:
         if trainer is not None:
-            trainer._shutdown()
+            trainer.close()
     return code
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config
+from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config, trial_differences
 from zbench.engine import algos
 from zbench.engine.batches import (
     gather,
@@ -328,7 +328,7 @@ class Trainer:
             self.open()
             return self.train()
         finally:
-            self._shutdown()
+            self.close()
 
     def open(self) -> None:
         """What every step needs, once per process: the tokenizer, the prompts, Ray and the workers."""
@@ -349,8 +349,6 @@ class Trainer:
         """Serve `case_dir` next, a trial of the case this process was opened for at another batch geometry
         (`zbench.engine.session`): the workers build their models again for it (`reconfigure`), the rollout
         engine and everything else stay. Any other difference is a config error naming the keys."""
-        from zbench.config import trial_differences
-
         cfg = load_case_config(case_dir / casedir.CONFIG, complete=True)
         if differ := trial_differences(self.cfg, cfg):
             raise ConfigError(differ[0], f"{case_dir.name} differs from {self.cfg.name}, whose processes serve it, "
@@ -405,7 +403,8 @@ class Trainer:
         finally:
             trackers.close(completed)
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
+        """Stop the workers, the placement and Ray (a private Ray's folder too); safe after a partial `open`."""
         import ray
 
         if not ray.is_initialized():

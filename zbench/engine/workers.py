@@ -169,7 +169,8 @@ class _Worker:
     models: tuple[str, ...] = ("engine",)  # the attributes holding what `setup` builds from the checkpoint
 
     def setup(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Build this role's models from the checkpoint; returns what they are (each role defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no models")
 
     def release(self) -> None:
         """Drop the models `setup` built and give their memory back (device and host), for the next trial

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from zbench.analyze.activations import geometry_memory
 from zbench.analyze.memory import GIB
-from zbench.config import RunConfig, from_dict, set_dotted, to_dict
+from zbench.config import RunConfig, dotted_value, from_dict, set_dotted, to_dict
 from zbench.harness.launch import RunInterrupted, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
@@ -194,20 +194,13 @@ def _trial_row(root: RunRoot, tune: CaseTune, name: str, g: Geometry, cfg: RunCo
     phases = {p: phase(p) for p in PHASES}
     forward = sum(v for p in FORWARD_PHASES if (v := phases[p]) is not None)
     result = TrialResult(g, state, step, peak, forward)
-    values = {k: _get(cfg, k) for k in GEOMETRY_KEYS
+    values = {k: dotted_value(cfg, k) for k in GEOMETRY_KEYS
               if (cfg.needs_critic or not k.startswith("critic.")) and (k in tune.constant or not k.startswith("rollout."))}
     tsv = {"case": tune.case.name, "trial": name, **values, "status": state, "step_s": step,
            **{f"{p}_s": v for p, v in phases.items()}, "peak_memory_gb": peak,
            "memory_measure": "device" if on_cuda else "cpu_rss", "predicted_gb": tune.search.predicted_gb(g),
            "budget_gb": budget_gb, "wall_s": wall_s, "reason": reason, "trial_dir": name}
     return tsv, result
-
-
-def _get(cfg: RunConfig, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
 
 
 @dataclass
