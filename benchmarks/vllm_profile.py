@@ -3,7 +3,8 @@ the GPU's kernel time over it (torch.profiler), and the host's hottest Python fu
 
 One engine is built as a case builds it (`zbench.engine.vllm_rollout.build`), with further vLLM engine arguments
 on top (`--variant`, a JSON object `{"name": ..., "engine": {...}}`; one variant per process, as vLLM keeps
-process-wide state). GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
+process-wide state; `"in_process": false` runs vLLM's engine core in a process of its own, as vLLM does by default,
+where zbench keeps it in the trainer's process for the weight push). GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
 
 - `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends)
   and with one unseeded request list (vLLM then samples the whole batch in one call);
@@ -91,7 +92,8 @@ def main() -> int:
     variant = json.loads(args.variant)
     name = variant["name"]
     start = time.perf_counter()
-    rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"))
+    rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"),
+                                 in_process=variant.get("in_process", True))
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2), device=device)
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in vllm_rollout.strip_left_padding(ids, mask)]
@@ -126,7 +128,7 @@ def main() -> int:
         seeded(7)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    gpu_s, kernels = _kernel_table(prof, 12)
+    gpu_s, kernels = _kernel_table(prof, 12)  # nothing when the engine runs in a process of its own
     _emit(variant=name, measure="profile", wall_s=round(wall, 3), gpu_kernel_s=round(gpu_s, 3),
           gpu_busy=round(gpu_s / wall, 3), gpu_ms_per_decode_step=round(1000 * gpu_s / args.new_tokens, 2),
           top_kernels=kernels)

@@ -156,6 +156,8 @@ def test_the_time_budget_stops_before_a_trial_that_would_not_finish() -> None:
     assert out_of_time(600, 500, [80.0, 120.0]) is None
     assert "100 s left, the longest trial so far took 120 s" in (out_of_time(600, 100, [80.0, 120.0]) or "")
     assert out_of_time(600, -3, []) is not None
+    # within a case's share of the budget: the message says whose time ran out
+    assert (out_of_time(600, 50, [80.0], share=300) or "").startswith("this case's share (300 s) of the time budget")
 
 
 def test_divisors() -> None:

@@ -192,7 +192,8 @@ def tune(
              "device has)."
     )] = None,
     time_budget: Annotated[float | None, typer.Option(
-        help="Seconds for the whole tune; a stopped tune still writes what it found (default: no limit).")] = None,
+        help="Seconds for the whole tune, shared out equally among the cases; a stopped tune still writes what "
+             "it found (default: no limit).")] = None,
     steps: Annotated[int, typer.Option(help="Steps per trial: a warm-up step, then timed ones.")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of every trial.")] = 7777,
     tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default tune_<matrix>).")] = None,

@@ -99,8 +99,11 @@ class VLLMRollout:
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,
                  max_model_len: int, tied_embeddings: bool, kv_cache_bytes: int | None = None,
-                 enforce_eager: bool = False, log_probs: bool = False, engine_args: dict[str, Any] | None = None):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine must live in this process (weight push)
+                 enforce_eager: bool = False, log_probs: bool = False, engine_args: dict[str, Any] | None = None,
+                 in_process: bool = True):
+        # the engine must live in this process for the weight push; benchmarks may measure it in its own process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        self.in_process = in_process
         if tensor_parallel_size > 1:  # symmetric-memory all-reduce buffers would sit outside what sleep releases
             os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
         from vllm import LLM
@@ -178,6 +181,8 @@ class VLLMRollout:
     @torch.no_grad()
     def load_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> int:
         """Push trained weights into the engine (waking its weight memory first); returns the bytes pushed."""
+        if not self.in_process:
+            raise RuntimeError("weights can be pushed only into an in-process vLLM engine (in_process=True)")
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         pushed = 0
@@ -225,8 +230,9 @@ def fitted_kv_cache_bytes(model_config: Any, sequences: int, max_model_len: int,
 
 
 def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int, tied_embeddings: bool,
-          engine_args: dict[str, Any] | None = None) -> VLLMRollout:
-    """A VLLMRollout for a case config on one rank (`engine_args`: further vLLM engine arguments, for benchmarks)."""
+          engine_args: dict[str, Any] | None = None, in_process: bool = True) -> VLLMRollout:
+    """A VLLMRollout for a case config on one rank (`engine_args`, `in_process`: further vLLM engine arguments and
+    the engine in a process of its own, for benchmarks)."""
     r = cfg.rollout
     max_model_len = cfg.data.max_prompt_length + r.max_new_tokens
     kv_cache_bytes = None
@@ -241,4 +247,5 @@ def build(model_path: str, cfg: Any, pad_id: int, eos_ids: list[int], rank: int,
                        tensor_parallel_size=r.tensor_parallel_size,
                        seed=cfg.seed * 1_000 + rank // r.tensor_parallel_size,  # one seed per TP group
                        max_model_len=max_model_len, tied_embeddings=tied_embeddings, kv_cache_bytes=kv_cache_bytes,
-                       enforce_eager=r.enforce_eager, log_probs=r.log_probs, engine_args=engine_args)
+                       enforce_eager=r.enforce_eager, log_probs=r.log_probs, engine_args=engine_args,
+                       in_process=in_process)

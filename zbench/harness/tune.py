@@ -13,7 +13,9 @@ exceeds the budget is `over_budget`. Which geometry comes next is `zbench.harnes
 case's matrix entry or `--set` gives are fixed, never tuned. On CUDA with `rollout.backend: vllm` every trial fits
 the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least memory at which a rollout never waits for cache)
 unless the case fixes `rollout.kv_cache_fit` or `rollout.gpu_memory_utilization`. After every trial `tuning.tsv` and
-`tuned.yaml` are rewritten, so a tune stopped by its time budget or a signal leaves what it found.
+`tuned.yaml` are rewritten, so a tune stopped by its time budget or a signal leaves what it found. The time
+budget is shared out: each case may start trials within an equal share of what is left when its turn comes (its
+first trial within what the whole budget has left), so one slow case cannot leave the others untuned.
 """
 
 from __future__ import annotations
@@ -261,20 +263,27 @@ class _Tuner:
             write_tuned(self.root.path / TUNED, self.description, self.base, cases)
         return bool(cases)
 
-    def tune_case(self, tune: CaseTune) -> str | None:
-        """Run one case's search to its end; returns why the tune stopped early, or None."""
+    def tune_case(self, tune: CaseTune, share_s: float | None) -> str | None:
+        """Run one case's search to its end, or until its share of the time budget is spent; returns why it stopped
+        early, or None."""
         try:
-            return self._search(tune)
+            return self._search(tune, share_s)
         finally:
             self.close_servers()
 
-    def _search(self, tune: CaseTune) -> str | None:
+    def _search(self, tune: CaseTune, share_s: float | None) -> str | None:
         name = tune.case.name
         plan = tune.search.plan()
         geometry = next(plan, None)
+        case_started = self.clock()
         while geometry is not None:
-            left = None if self.req.time_budget_s is None else self.req.time_budget_s - (self.clock() - self.started)
+            now = self.clock()
+            left = None if self.req.time_budget_s is None else self.req.time_budget_s - (now - self.started)
             stop = out_of_time(self.req.time_budget_s, left, self.expected_walls(name))
+            if not stop and tune.search.trials and share_s is not None:
+                # a case's first trial may take what the whole budget has left; later ones keep to the case's share
+                stop = out_of_time(self.req.time_budget_s, share_s - (now - case_started),
+                                   self.expected_walls(name), share=share_s)
             if stop:
                 self.say(f"{name}: stopped before {geometry.label()}: {stop}")
                 return stop
@@ -381,10 +390,11 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
                                f"batch geometry within {budget_gb:.2f} GB ({measure})")
     stopped: str | None = None
     try:
-        for tune in tuner.tunes:
-            stopped = tuner.tune_case(tune)
-            if stopped:
-                break
+        for i, tune in enumerate(tuner.tunes):
+            # each case an equal share of the time left (what a case leaves unused goes to the ones after it)
+            share = None if req.time_budget_s is None else \
+                max(0.0, req.time_budget_s - (clock() - started)) / (len(tuner.tunes) - i)
+            stopped = tuner.tune_case(tune, share) or stopped
     except RunInterrupted:
         stopped = "interrupted by a signal"
         raise
@@ -397,12 +407,15 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     return TuneOutcome(root, tuner.tunes, stopped)
 
 
-def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]) -> str | None:
-    """Why the next trial must not start, or None: the budget is spent, or less of it is left than the longest
-    trial like it so far took (`walls`; a trial cut short measures nothing)."""
+def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float],
+                share: float | None = None) -> str | None:
+    """Why the next trial must not start, or None: the budget (or, with `share`, the case's share of it, in
+    seconds) is spent, or less of it is left than the longest trial like it so far took (`walls`; a trial cut short
+    measures nothing)."""
     if budget_s is None or left_s is None:
         return None
     if left_s <= 0 or (walls and max(walls) > left_s):
-        return (f"time budget of {budget_s:g} s: {max(left_s, 0):.0f} s left, the longest trial so far took "
-                f"{max(walls, default=0):.0f} s")
+        of = f"this case's share ({share:.0f} s) of the time budget of {budget_s:g} s" if share is not None \
+            else f"time budget of {budget_s:g} s"
+        return f"{of}: {max(left_s, 0):.0f} s left, the longest trial so far took {max(walls, default=0):.0f} s"
     return None
