@@ -157,7 +157,7 @@ def test_the_time_budget_stops_before_a_trial_that_would_not_finish() -> None:
     assert "100 s left, the longest trial so far took 120 s" in (out_of_time(600, 100, [80.0, 120.0]) or "")
     assert out_of_time(600, -3, []) is not None
     # within a case's share of the budget: the message says whose time ran out
-    assert (out_of_time(600, 50, [80.0], share=300) or "").startswith("this case's share (300 s) of the time budget")
+    assert (out_of_time(600, 50, [80.0], share=300) or "").startswith("time budget of 600 s (this case's share: 300 s)")
 
 
 def test_divisors() -> None:
@@ -225,3 +225,14 @@ def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
     assert fixed.keys["train"] == ("critic.micro_batch_size_per_gpu",)  # the actor's is the user's
     assert fixed.keys["checkpointing"] == () and fixed.search.space.checkpointing == (True,)  # the case's own axis
     assert "actor.micro_batch_size_per_gpu" not in fixed.overrides(Geometry(1, 0, True))
+
+
+def test_trials_are_compared_on_the_phases_geometry_changes_not_the_whole_step() -> None:
+    # generation's spread makes micro 4's step look slower; its update is faster, and that is what the geometry moved
+    steps = {2: (4.0, 1.2), 4: (4.3, 0.9), 8: (4.1, 1.0)}
+    search = drive(space(start=2), lambda g: TrialResult(g, OK, steps[g.train_micro][0], 1.0, 0.0,
+                                                        steps[g.train_micro][1]))
+    assert tried(search)[:3] == [(2, 0, False), (4, 0, False), (8, 0, False)]
+    assert search.best().geometry.train_micro == 4
+    # a trial that measured no phase is compared on its step
+    assert TrialResult(Geometry(2, 0, False), OK, 4.0).ranked_s == 4.0

@@ -1,5 +1,6 @@
-"""What memory buys: from a tune's `tuning.tsv`, each case's trials as step time against peak memory (the frontier),
-and the geometry chosen for each. `zbench report` adds it for a tune's run root and for a run of its `tuned.yaml`."""
+"""What memory buys: from a tune's `tuning.tsv`, each case's trials as the time batch geometry changes (the updates and
+gradient-free passes; the whole step for tunes that recorded no phases) against peak memory (the frontier), and the
+geometry chosen for each. `zbench report` adds it for a tune's run root and for a run of its `tuned.yaml`."""
 
 from __future__ import annotations
 
@@ -83,8 +84,10 @@ def frontier_figure(rows: list[dict[str, str]]) -> bytes:
         ax.set_visible(False)
     for ax, case in zip(axes.flat, cases, strict=False):
         trials = [r for r in rows if r["case"] == case]
-        ok = [(r, _num(r["peak_memory_gb"]), _num(r["step_s"])) for r in trials if r["status"] == "ok"]
-        over = [(r, _num(r["peak_memory_gb"]), _num(r["step_s"])) for r in trials if r["status"] == "over_budget"]
+        y_key = _ranked_key(trials)
+        by_phases = y_key == "geometry_s"
+        ok = [(r, _num(r["peak_memory_gb"]), _num(r[y_key])) for r in trials if r["status"] == "ok"]
+        over = [(r, _num(r["peak_memory_gb"]), _num(r[y_key])) for r in trials if r["status"] == "over_budget"]
         if ok:
             ax.scatter([x for _, x, _ in ok], [y for _, _, y in ok], color="tab:blue", label="within budget", zorder=3)
             front = pareto([(x, y) for _, x, y in ok if not (math.isnan(x) or math.isnan(y))])
@@ -106,11 +109,12 @@ def frontier_figure(rows: list[dict[str, str]]) -> bytes:
                      fontsize=10)
         measure = "device-wide GPU" if trials[0].get("memory_measure") == "device" else "CPU RSS"
         ax.set_xlabel(f"peak memory, {measure} (GB)")
-        ax.set_ylabel("step time, steady mean (s)")
+        ax.set_ylabel("updates + gradient-free passes, steady mean (s)" if by_phases
+                      else "step time, steady mean (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Tuning: step time against peak memory (m: micro-batch, f: forward micro-batch, ckpt: checkpointing)",
-                 fontsize=11)
+    fig.suptitle("Tuning: the time batch geometry changes against peak memory (m: micro-batch, f: forward micro-batch, "
+                 "ckpt: checkpointing)", fontsize=11)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
@@ -128,14 +132,22 @@ def frontier_table(rows: list[dict[str, str]]) -> pd.DataFrame:
         out.append({"case": case, "trials": str(len(trials)),
                     "chosen": f"{chosen['trial']} ({_label(chosen)})" if chosen else "none within the budget",
                     "step time (s)": _num(chosen["step_s"]) if chosen else math.nan,
+                    "updates + gradient-free passes (s)": _num(chosen.get("geometry_s")) if chosen else math.nan,
                     "peak memory (GB)": _num(chosen["peak_memory_gb"]) if chosen else math.nan,
                     "fastest / slowest trial within budget": _spread(trials),
                     "not chosen for a reason": "; ".join(others) or "–"})
     return pd.DataFrame(out)
 
 
+def _ranked_key(trials: list[dict[str, str]]) -> str:
+    """The column a tune compared its trials on: `geometry_s` where every measured trial has it, else `step_s`."""
+    return "geometry_s" if all(r.get("geometry_s") for r in trials if r["status"] in ("ok", "over_budget")) \
+        else "step_s"
+
+
 def _spread(trials: list[dict[str, str]]) -> float:
-    steps = [s for r in trials if r["status"] == "ok" and not math.isnan(s := _num(r["step_s"]))]
+    key = _ranked_key(trials)
+    steps = [s for r in trials if r["status"] == "ok" and not math.isnan(s := _num(r[key]))]
     return min(steps) / max(steps) if steps else math.nan
 
 

@@ -9,7 +9,9 @@ is a recorded outcome, never fatal). The trials of a case share one engine proce
 engine (`zbench.engine.session`, served from `<case>.session`): a trial after the first pays for building the
 models at its geometry, not for starting everything again. A trial that fails ends its session; the next trial
 starts a new one. A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU)
-exceeds the budget is `over_budget`. Which geometry comes next is `zbench.harness.tune_search`'s job; keys the
+exceeds the budget is `over_budget`. Trials are compared on the phases batch geometry changes (the updates and the
+gradient-free passes: `geometry_s` in tuning.tsv, the step time beside it): generation, the reward and the weight
+push are the same work at every geometry, and a host-bound rollout's spread would drown the rest. Which geometry comes next is `zbench.harness.tune_search`'s job; keys the
 case's matrix entry or `--set` gives are fixed, never tuned. On CUDA with `rollout.backend: vllm` every trial fits
 the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least memory at which a rollout never waits for cache)
 unless the case fixes `rollout.kv_cache_fit` or `rollout.gpu_memory_utilization`. After every trial `tuning.tsv` and
@@ -43,6 +45,7 @@ from zbench.runroot.summary import case_summary_row, steady_records
 from zbench.runroot.tuning import (
     FORWARD_PHASES,
     GEOMETRY_KEYS,
+    GEOMETRY_PHASES,
     PHASES,
     TUNED,
     TUNING,
@@ -195,10 +198,12 @@ def _trial_row(root: RunRoot, tune: CaseTune, name: str, g: Geometry, cfg: RunCo
         state, reason = "stopped", stopped
     phases = {p: phase(p) for p in PHASES}
     forward = sum(v for p in FORWARD_PHASES if (v := phases[p]) is not None)
-    result = TrialResult(g, state, step, peak, forward)
+    measured = [v for p in GEOMETRY_PHASES if (v := phases[p]) is not None]
+    geometry = sum(measured) if measured else None
+    result = TrialResult(g, state, step, peak, forward, geometry)
     values = {k: dotted_value(cfg, k) for k in GEOMETRY_KEYS
               if (cfg.needs_critic or not k.startswith("critic.")) and (k in tune.constant or not k.startswith("rollout."))}
-    tsv = {"case": tune.case.name, "trial": name, **values, "status": state, "step_s": step,
+    tsv = {"case": tune.case.name, "trial": name, **values, "status": state, "step_s": step, "geometry_s": geometry,
            **{f"{p}_s": v for p, v in phases.items()}, "peak_memory_gb": peak,
            "memory_measure": "device" if on_cuda else "cpu_rss", "predicted_gb": tune.search.predicted_gb(g),
            "budget_gb": budget_gb, "wall_s": wall_s, "reason": reason, "trial_dir": name}
@@ -301,8 +306,9 @@ class _Tuner:
         for note in tune.search.notes:
             self.say(f"{name}: {note}")
         best = tune.chosen()
-        verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s, "
-                   f"peak {best.peak_gb:.2f} GB" if best and best.step_s is not None and best.peak_gb is not None
+        verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s"
+                   f"{_geometry_part(best)}, peak {best.peak_gb:.2f} GB"
+                   if best and best.step_s is not None and best.peak_gb is not None
                    else "no geometry ran within the budget")
         count = len(tune.search.trials)
         self.say(f"{name}: {count} trial{'' if count == 1 else 's'}; {verdict}")
@@ -345,7 +351,7 @@ class _Tuner:
         stop = f"time budget of {self.req.time_budget_s:g} s spent during this trial" if timed_out else None
         row, result = _trial_row(self.root, tune, trial, g, cfg, status, self.budget_gb, self.on_cuda, wall, stop)
         self.rows.append(row)
-        step = f"step {result.step_s:.3f} s" if result.step_s is not None else "no timed step"
+        step = f"step {result.step_s:.3f} s{_geometry_part(result)}" if result.step_s is not None else "no timed step"
         peak = f"peak {result.peak_gb:.2f} GB" if result.peak_gb is not None else "no memory figure"
         self.say(f"{tune.case.name} trial {number} ({trial}): {g.label()} -> {result.status}, {step}, {peak} "
                  f"(predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on this "
@@ -394,7 +400,7 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
             # each case an equal share of the time left (what a case leaves unused goes to the ones after it)
             share = None if req.time_budget_s is None else \
                 max(0.0, req.time_budget_s - (clock() - started)) / (len(tuner.tunes) - i)
-            stopped = tuner.tune_case(tune, share) or stopped
+            stopped = stopped or tuner.tune_case(tune, share)
     except RunInterrupted:
         stopped = "interrupted by a signal"
         raise
@@ -407,6 +413,10 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     return TuneOutcome(root, tuner.tunes, stopped)
 
 
+def _geometry_part(r: TrialResult) -> str:
+    return f" (updates and gradient-free passes {r.geometry_s:.3f} s)" if r.geometry_s is not None else ""
+
+
 def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float],
                 share: float | None = None) -> str | None:
     """Why the next trial must not start, or None: the budget (or, with `share`, the case's share of it, in
@@ -415,7 +425,7 @@ def out_of_time(budget_s: float | None, left_s: float | None, walls: list[float]
     if budget_s is None or left_s is None:
         return None
     if left_s <= 0 or (walls and max(walls) > left_s):
-        of = f"this case's share ({share:.0f} s) of the time budget of {budget_s:g} s" if share is not None \
-            else f"time budget of {budget_s:g} s"
-        return f"{of}: {max(left_s, 0):.0f} s left, the longest trial so far took {max(walls, default=0):.0f} s"
+        of = f" (this case's share: {share:.0f} s)" if share is not None else ""
+        return (f"time budget of {budget_s:g} s{of}: {max(left_s, 0):.0f} s left, the longest trial so far took "
+                f"{max(walls, default=0):.0f} s")
     return None

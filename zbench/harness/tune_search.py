@@ -41,13 +41,20 @@ class Geometry:
 
 @dataclass(frozen=True, slots=True)
 class TrialResult:
-    """What a trial measured (`step_s`: steady mean of `timing_s/step`; `forward_s`: its gradient-free passes)."""
+    """What a trial measured, as steady means: `step_s` of `timing_s/step`, `forward_s` of its gradient-free passes,
+    `geometry_s` of the phases batch geometry changes (the updates and the gradient-free passes)."""
 
     geometry: Geometry
     status: str  # ok, over_budget, oom, failed, timeout, stopped
     step_s: float | None = None
     peak_gb: float | None = None
     forward_s: float | None = None
+    geometry_s: float | None = None
+
+    @property
+    def ranked_s(self) -> float | None:
+        """The time trials are compared on: the phases geometry changes where measured, else the whole step."""
+        return self.geometry_s if self.geometry_s is not None else self.step_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,20 +95,20 @@ class Search:
         return self.predicted_gb(g) <= self.space.budget_gb
 
     def best(self) -> TrialResult | None:
-        """The fastest trial within the budget; of those within the tolerance of the fastest (which a few timed
-        steps cannot tell apart), the one that needs the least memory."""
-        ok = [t for t in self.trials if t.status == OK and t.step_s is not None]
+        """The fastest trial within the budget (`TrialResult.ranked_s`); of those within the tolerance of the fastest
+        (which a few timed steps cannot tell apart), the one that needs the least memory."""
+        ok = [t for t in self.trials if t.status == OK and t.ranked_s is not None]
         if not ok:
             return None
-        fastest = min(t.step_s or 0.0 for t in ok)
-        close = [t for t in ok if (t.step_s or 0.0) <= fastest * (1 + self.space.tolerance)]
-        return min(close, key=lambda t: (t.peak_gb if t.peak_gb is not None else float("inf"), t.step_s))
+        fastest = min(t.ranked_s or 0.0 for t in ok)
+        close = [t for t in ok if (t.ranked_s or 0.0) <= fastest * (1 + self.space.tolerance)]
+        return min(close, key=lambda t: (t.peak_gb if t.peak_gb is not None else float("inf"), t.ranked_s))
 
     def faster(self, r: TrialResult, than: TrialResult | None) -> bool:
-        """Whether `r` ran within budget and beat `than` by more than the tolerance."""
-        if r.status != OK or r.step_s is None:
+        """Whether `r` ran within budget and beat `than` by more than the tolerance (`TrialResult.ranked_s`)."""
+        if r.status != OK or r.ranked_s is None:
             return False
-        return than is None or than.step_s is None or r.step_s < than.step_s * (1 - self.space.tolerance)
+        return than is None or than.ranked_s is None or r.ranked_s < than.ranked_s * (1 - self.space.tolerance)
 
     # ---------------------------------------------------------------- the plan
 
@@ -234,9 +241,10 @@ class Search:
             self.notes.append(f"forward micro-batch: none larger than the training micro-batch "
                               f"({best.geometry.train_micro}) divides a rank's sequences")
             return
-        if best.forward_s is not None and best.step_s and best.forward_s < self.space.tolerance * best.step_s:
+        if best.forward_s is not None and best.ranked_s and best.forward_s < self.space.tolerance * best.ranked_s:
+            of = "the updates' and passes'" if best.geometry_s is not None else "a step's"
             self.notes.append(f"forward micro-batch: not tried; the gradient-free passes take {best.forward_s:.3f} s "
-                              f"of a {best.step_s:.3f} s step, less than tuning can tell from noise")
+                              f"of {of} {best.ranked_s:.3f} s, less than tuning can tell from noise")
             return
         for f in larger:
             g = replace(best.geometry, forward_micro=f)

@@ -20,8 +20,13 @@ TUNED = "tuned.yaml"
 GEOMETRY_KEYS = (*TRIAL_GEOMETRY_KEYS, "rollout.kv_cache_fit")  # a case's KV cache is the same in all its trials
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 FORWARD_PHASES = ("old_log_prob", "ref", "values")  # the gradient-free passes the forward micro-batch sizes
+# the phases batch geometry changes, on which trials are compared: the rest of a step (generation, reward, weight
+# push) is the same work at every geometry, and generation's spread from step to step (a host-bound engine loop)
+# would drown what the geometry changes
+GEOMETRY_PHASES = (*FORWARD_PHASES, "update_critic", "update_actor")
 TUNING_COLUMNS = (
-    "case", "trial", *GEOMETRY_KEYS, "status", "chosen", "step_s", *(f"{p}_s" for p in PHASES), "peak_memory_gb",
+    "case", "trial", *GEOMETRY_KEYS, "status", "chosen", "step_s", "geometry_s", *(f"{p}_s" for p in PHASES),
+    "peak_memory_gb",
     "memory_measure", "predicted_gb", "budget_gb", "wall_s", "reason", "trial_dir",
 )  # fmt: skip
 
