@@ -372,3 +372,13 @@ def test_attempt_after_a_checkpoint_keeps_the_metrics(tmp_path):
     (case / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     _prepare_attempt(case, 3)
     assert (case / "metrics.jsonl").read_text() == (case / "metrics.attempt2.jsonl").read_text()
+
+
+def test_a_case_timeout_is_not_retried_a_hang_is(tmp_path: Path) -> None:
+    # the whole-case limit would be spent again by a second attempt; a hang (step timeout) may not recur
+    root = make_root(tmp_path / "case", ["a"])
+    [st] = launch.run_cases(root, [("a", CONFIG)], options("slow", retries=2, case_timeout_s=1.5))
+    assert st["status"] == "timeout" and st["reason"].startswith("case timeout") and st["attempt"] == 1, st
+    root = make_root(tmp_path / "step", ["a"])
+    [st] = launch.run_cases(root, [("a", CONFIG)], options("hang", retries=1, step_timeout_s=1.0))
+    assert st["status"] == "timeout" and "case timeout" not in st["reason"] and st["attempt"] == 2, st

@@ -151,7 +151,8 @@ def run(
     tag: Annotated[str | None, typer.Option(help="Run-root name prefix (default <matrix>_<steps>_seed<seed>).")] = None,
     results_dir: Annotated[str, typer.Option(help="Where run roots are created.")] = "results",
     runner: Annotated[str, typer.Option(help="Runner profile: local, ray, or a YAML file.")] = "local",
-    case_timeout: Annotated[float | None, typer.Option(help="Kill a case after this many seconds.")] = None,
+    case_timeout: Annotated[float | None, typer.Option(
+        help="Kill a case after this many seconds (not retried: a second attempt would take as long).")] = None,
     step_timeout: Annotated[float | None, typer.Option(help="Kill a case when no step lands for this many "
                                                            "seconds (start-up counts as the first step).")] = 1800.0,
     retries: Annotated[int, typer.Option(help="Extra attempts for transient failures (hangs, lost workers).")] = 1,
@@ -231,7 +232,8 @@ def tune(
 def resume(
     run_root: Annotated[str, typer.Argument(help="The run root to continue.")],
     runner: Annotated[str | None, typer.Option(help="Runner profile (default: the one the run used).")] = None,
-    case_timeout: Annotated[float | None, typer.Option(help="Kill a case after this many seconds.")] = None,
+    case_timeout: Annotated[float | None, typer.Option(
+        help="Kill a case after this many seconds (not retried: a second attempt would take as long).")] = None,
     step_timeout: Annotated[float | None, typer.Option(help="Kill a case when no step lands for this long.")] = 1800.0,
     retries: Annotated[int, typer.Option(help="Extra attempts for transient failures.")] = 1,
 ) -> None:

@@ -37,6 +37,7 @@ from zbench.runroot.root import RunRoot
 
 CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never retried
 INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
+CASE_TIMEOUT = "case timeout"  # how a whole-case time limit names itself in a reason: never retried
 
 OOM_PATTERNS = re.compile(
     r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory"
@@ -112,7 +113,7 @@ def _watchdog(
         if watch.stop.is_set():
             watch.interrupted = True
         elif case_timeout_s is not None and now - started > case_timeout_s:
-            watch.fired = f"case timeout: still running after {case_timeout_s:g} s"
+            watch.fired = f"{CASE_TIMEOUT}: still running after {case_timeout_s:g} s"
         elif step_timeout_s is not None and now - last > step_timeout_s:
             watch.fired = f"step timeout: no heartbeat for {step_timeout_s:g} s"
         if watch.fired:  # a hang: first ask the engine's processes where they are
@@ -206,7 +207,8 @@ def _classify(
     if watch.interrupted:
         return "interrupted", "interrupted by signal", False, False
     if watch.fired:
-        return "timeout", watch.fired, True, False
+        # a hang (step timeout) may be transient; a case out of its whole-case time would spend that time again
+        return "timeout", watch.fired, not watch.fired.startswith(CASE_TIMEOUT), False
     if exit_code == CONFIG_ERROR_EXIT:
         return "failed", f"config error: {reason}" if reason else "config error", False, True
     killed = exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
@@ -374,7 +376,7 @@ class LaunchOptions:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment (runner profile)
     case_timeout_s: float | None = None  # whole-case limit per attempt; None = no limit
     step_timeout_s: float | None = None  # longest allowed silence of heartbeat/metrics; None = no limit
-    retries: int = 1  # extra attempts for transient failures (timeout, lost worker, NCCL/gloo errors)
+    retries: int = 1  # extra attempts for transient failures (step timeout, lost worker, NCCL/gloo errors)
     kill_grace_s: float = 10.0  # SIGTERM → SIGKILL delay when stopping a case
     poll_s: float = 0.5  # watchdog and progress poll interval
     before_attempt: Callable[[], None] | None = None  # called before each attempt (a trial session's server)

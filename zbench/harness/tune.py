@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from zbench.analyze.activations import geometry_memory
 from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, dotted_value, from_dict, set_dotted, to_dict
-from zbench.harness.launch import RunInterrupted, options_for_profile, run_cases
+from zbench.harness.launch import CASE_TIMEOUT, RunInterrupted, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
@@ -347,7 +347,7 @@ class _Tuner:
         wall = self.clock() - t0
         (self.walls_started if server.starts > starts else self.walls_served).append(wall)
         timed_out = left_s is not None and status.get("status") == "timeout" \
-            and str(status.get("reason", "")).startswith("case timeout")
+            and str(status.get("reason", "")).startswith(CASE_TIMEOUT)
         stop = f"time budget of {self.req.time_budget_s:g} s spent during this trial" if timed_out else None
         row, result = _trial_row(self.root, tune, trial, g, cfg, status, self.budget_gb, self.on_cuda, wall, stop)
         self.rows.append(row)
