@@ -116,6 +116,44 @@ def test_sigkill_after_memoryerror_is_oom(tmp_path: Path) -> None:
     assert status["status"] == "oom" and status["exit_code"] == -signal.SIGKILL
 
 
+def test_a_silent_sigkill_is_oom_only_where_the_kernel_counted_an_oom_kill(tmp_path: Path, monkeypatch) -> None:
+    # the kernel's OOM killer cannot be made to strike safely here: its counter is what is stood in for
+    (tmp_path / "quiet").mkdir()
+    (tmp_path / "killed").mkdir()
+    status = run(tmp_path / "quiet", "sigkill")
+    assert status["status"] == "failed" and "check the kernel log for the OOM killer" in status["reason"]
+    counts = iter([(7, "/sys/fs/cgroup/memory.events"), (8, "/sys/fs/cgroup/memory.events")])
+    monkeypatch.setattr(launch.procs, "oom_kill_count", lambda: next(counts))
+    status = run(tmp_path / "killed", "sigkill")
+    assert status["status"] == "oom" and status["exit_code"] == -signal.SIGKILL, status
+    assert status["reason"].startswith("the kernel's OOM killer ended a process during this attempt "
+                                       "(/sys/fs/cgroup/memory.events oom_kill 7 -> 8)")
+
+
+def test_the_oom_kill_counter_is_read_from_the_kernel(tmp_path: Path) -> None:
+    count = procs.oom_kill_count()  # this Linux machine's own: a container's cgroup or /proc/vmstat
+    assert count is not None and count[0] >= 0 and Path(count[1]).name in ("memory.events", "memory.oom_control",
+                                                                          "vmstat")
+    # cgroup v2 and v1 layouts, as /proc/self/cgroup names them
+    assert procs._cgroup_oom_files("0::/box/job\n", tmp_path) == [tmp_path / "box/job/memory.events",
+                                                                  tmp_path / "memory.events"]
+    v1 = procs._cgroup_oom_files("4:memory:/box\n3:cpu:/box\n", tmp_path)
+    assert v1 == [tmp_path / "memory/box/memory.oom_control", tmp_path / "memory/memory.oom_control"]
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 3\n")
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert procs.oom_kill_count(tmp_path) in ((3, str(tmp_path / "memory.events")),
+                                              (5, str(tmp_path / "memory/memory.oom_control")))
+
+
+def test_a_hit_recompile_limit_is_a_warning_of_the_case(tmp_path: Path) -> None:
+    status = run(tmp_path, "recompile_limit")
+    assert status["status"] == "completed", status
+    [warning] = status["warnings"]
+    assert warning.startswith("torch.compile hit its recompile limit (torch._dynamo hit config.recompile_limit (2)")
+    assert "ran eager" in warning
+
+
 def test_completed_then_abort_is_completed_with_warning(tmp_path: Path) -> None:
     status = run(tmp_path, "complete_then_abort")
     assert status["status"] == "completed" and status["exit_code"] == -signal.SIGABRT

@@ -150,6 +150,35 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
     return len(found)
 
 
+def _cgroup_oom_files(proc_cgroup: str, root: Path) -> list[Path]:
+    """Where the memory cgroup of this process counts its OOM kills, from /proc/self/cgroup's text: cgroup v2's
+    memory.events and v1's memory.oom_control, at the process's cgroup path and at the mount's root (which is the
+    process's own cgroup inside a container)."""
+    out: list[Path] = []
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2
+            out += [root / rel / "memory.events", root / "memory.events"]
+        elif "memory" in controllers.split(","):
+            out += [root / "memory" / rel / "memory.oom_control", root / "memory" / "memory.oom_control"]
+    return out
+
+
+def oom_kill_count(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:
+    """How many processes the kernel's OOM killer has ended, and where that was read: this process's memory cgroup
+    (a container's own), else the whole system (/proc/vmstat); None where the kernel says neither."""
+    with contextlib.suppress(OSError):
+        candidates = _cgroup_oom_files(Path("/proc/self/cgroup").read_text(), cgroup_root)
+        for path in [*candidates, Path("/proc/vmstat")]:
+            with contextlib.suppress(OSError, ValueError):
+                for line in path.read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value), str(path)
+    return None
+
+
 def remove_ray_tmpdir(case_dir: Path) -> None:
     """Remove the case's Ray temp folder (its sockets, logs and session files) once its processes are gone."""
     for marker in ray_markers(case_dir):

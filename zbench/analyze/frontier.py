@@ -113,8 +113,8 @@ def frontier_figure(rows: list[dict[str, str]]) -> bytes:
                       else "step time, steady mean (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Tuning: the time batch geometry changes against peak memory (m: micro-batch, f: forward micro-batch, "
-                 "ckpt: checkpointing)", fontsize=11)
+    fig.suptitle("Tuning: time against peak memory\n(m: micro-batch, f: forward micro-batch, ckpt: checkpointing)",
+                 fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)

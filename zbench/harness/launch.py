@@ -50,6 +50,8 @@ TRANSIENT_PATTERNS = re.compile(
     r"|(?i:(?:nccl|gloo)[^\n]*(?:connection (?:reset|refused|closed)|connect(?:ion)? (?:failed|timed out)"
     r"|timed out|broken pipe|remote error|system error))"
 )
+# Dynamo's warning when a compiled function meets more variants than its limit: what it stopped compiling runs eager
+RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(?:accumulated_)?(?:recompile|cache_size)_limit[^\n]*")
 _TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
 EXCEPTION_LINE = re.compile(
@@ -194,9 +196,11 @@ class Attempt:
 
 
 def _classify(
-    case_dir: Path, watch: _Watch, exit_code: int | None, log_text: str, warnings: list[str]
+    case_dir: Path, watch: _Watch, exit_code: int | None, log_text: str, warnings: list[str],
+    oom_kills: str | None = None,
 ) -> tuple[str, str, bool, bool]:
-    """(status, reason, retryable, config_error) of a finished attempt."""
+    """(status, reason, retryable, config_error) of a finished attempt; `oom_kills` says that the kernel's OOM
+    killer ended processes while it ran."""
     reason = reason_from_log(log_text)
     if _result_complete(case_dir):
         if exit_code != 0:
@@ -206,6 +210,9 @@ def _classify(
         return "completed", "", False, False
     if watch.interrupted:
         return "interrupted", "interrupted by signal", False, False
+    if oom_kills:  # a process of the case (the engine, a worker, a trial's server) ended by SIGKILL leaves no message
+        return "oom", f"the kernel's OOM killer ended a process during this attempt ({oom_kills}); then: " \
+                      f"{watch.fired or reason or _exit_text(exit_code)}"[:400], False, False
     if watch.fired:
         # a hang (step timeout) may be transient; a case out of its whole-case time would spend that time again
         return "timeout", watch.fired, not watch.fired.startswith(CASE_TIMEOUT), False
@@ -245,6 +252,14 @@ def _prepare_attempt(case_dir: Path, attempt: int) -> None:
         (case_dir / casedir.HEARTBEAT).unlink()
 
 
+def _oom_kills_since(before: tuple[int, str] | None) -> str | None:
+    """What the OOM-kill counter read at an attempt's start says now, when it rose: `<file> oom_kill a -> b`."""
+    after = procs.oom_kill_count()
+    if before is None or after is None or after[1] != before[1] or after[0] <= before[0]:
+        return None
+    return f"{after[1]} oom_kill {before[0]} -> {after[0]}"
+
+
 def run_attempt(
     case_dir: str | os.PathLike[str],
     command: Sequence[str],
@@ -278,6 +293,7 @@ def run_attempt(
     }  # fmt: skip
     casedir.write_status(cdir, status)
     stop = stop or threading.Event()
+    kills_before = procs.oom_kill_count()
     with log.open("ab") as logf:
         logf.write(f"==== zbench attempt {attempt} started {started_at}: {' '.join(command)}\n".encode())
         logf.flush()
@@ -304,7 +320,11 @@ def run_attempt(
         procs.remove_ray_tmpdir(cdir)
     log_text = _read_attempt_log(log, offset)
     warnings: list[str] = []
-    state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings)
+    state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings,
+                                                       _oom_kills_since(kills_before))
+    if hit := RECOMPILE_LIMIT.search(log_text):
+        warnings.append(f"torch.compile hit its recompile limit ({hit.group(0).strip()}, train.log): what it stopped "
+                        "compiling ran eager from then on, so this case's times are not those of its compiled path")
     status.update(
         status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),
         ended_at=casedir.utc_now(), warnings=warnings,

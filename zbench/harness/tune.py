@@ -191,7 +191,7 @@ def _trial_row(root: RunRoot, tune: CaseTune, name: str, g: Geometry, cfg: RunCo
     step = num(row["step_time_mean_s"])
     state, reason = status.get("status", "failed"), str(status.get("reason") or "")
     if state == "completed":
-        state, reason = OK, ""
+        state, reason = OK, "; ".join(status.get("warnings") or [])  # a trial's warnings qualify its times
         if peak is not None and peak > budget_gb:
             state, reason = OVER_BUDGET, f"measured peak {peak:.2f} GB > memory budget {budget_gb:.2f} GB"
     elif stopped:

@@ -2,10 +2,10 @@
 # The runs of this folder, on one GPU: the 1-GPU proxy of the reference config (Qwen3-0.6B shape, GSM8K prompts,
 # 512 new tokens, vLLM with the fitted KV cache; 32 prompts per step, one rank's share of the 2-GPU reference).
 # From the project root, with the kits of the GPU machine's README on the path:
-#   bash results/reference/gpu1-tune-vllm-20261125/session.sh tune MATRIX CASES  # prep, then `zbench tune` of the
+#   bash results/reference/h100-tune-vllm-20261125/session.sh tune MATRIX CASES  # prep, then `zbench tune` of the
 #        cases within $TUNE_BUDGET_S (default 460), then their tuned matrix for $TUNED_STEPS steps (default 10)
-#   bash results/reference/gpu1-tune-vllm-20261125/session.sh tuned MATRIX       # the last tune's tuned.yaml, 10 steps
-#   bash results/reference/gpu1-tune-vllm-20261125/session.sh vllm VARIANT_JSON...  # benchmarks/vllm_profile.py
+#   bash results/reference/h100-tune-vllm-20261125/session.sh tuned MATRIX       # the last tune's tuned.yaml, 10 steps
+#   bash results/reference/h100-tune-vllm-20261125/session.sh vllm VARIANT_JSON...  # benchmarks/vllm_profile.py
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 g=results/reference/gpu.sh
