@@ -138,7 +138,7 @@ def test_estimate_says_which_qwen3_8b_cases_fit_an_h200():
     up fit and DDP does not. The parts add up to the peak; `--set` on a run root is refused."""
     from zbench.analyze.activations import geometry_memory
     from zbench.analyze.memory import target_cases
-    from zbench.config import parse_set
+    from zbench.config import parse_set, with_overrides
 
     sets = ["model.path=qwen3-8b", "algorithm=grpo", "rollout.n=4", "trainer.train_batch_size=64",
             "actor.ppo_mini_batch_size=64", "data.max_prompt_length=512", "rollout.max_new_tokens=512",
@@ -149,15 +149,32 @@ def test_estimate_says_which_qwen3_8b_cases_fit_an_h200():
     assert res.exit_code == 0, res.output
     rows = {line.split()[0]: line.split() for line in res.output.splitlines()[1:13]}
     assert len(rows) == 12 and {r[6] for r in rows.values()} == {"8,190,735,360"}
-    fits = {name: r[-1] for name, r in rows.items()}
+    fits = {name: r[-3] for name, r in rows.items()}
     assert fits["zero0_ac"] == "no" and fits["zero1_ac"] == fits["zero2_ac"] == fits["zero3_ac"] == "yes"
     assert [fits[f"zero{s}_no_ac"] for s in (0, 1, 2, 3)] == ["no"] * 4
     assert fits["zero3_cpu_offload_no_ac"] == "yes"
     [(_, cfg, cuda)] = target_cases("ddp-vs-zero", True, tuple(parse_set(s) for s in sets), ("zero3_ac",))
     g = geometry_memory(cfg, cuda, 141 * 2**30)
     r = rows["zero3_ac"]
-    assert float(r[-2]) == pytest.approx(g.peak_gb, abs=0.01)
-    assert float(r[7]) + float(r[10]) + float(r[11]) == pytest.approx(float(r[-2]), abs=0.03)  # states+passes+KV
+    assert float(r[-4]) == pytest.approx(g.peak_gb, abs=0.01)
+    assert float(r[7]) + float(r[10]) + float(r[11]) == pytest.approx(float(r[-4]), abs=0.03)  # states+passes+KV
     assert g.kv_cache > 0  # vLLM's fitted cache is part of the peak
+    # the largest micro-batch that fits, without and with checkpointing: DDP's states alone fill the GPU; a case that
+    # does not fit at its micro-batch 8 without checkpointing fits at a smaller one
+    assert rows["zero0_ac"][-2:] == ["none", "none"] and rows["zero2_no_ac"][-2:] == ["2", "32"]
+    for name, r in rows.items():
+        if r[-2] != "none":
+            assert int(r[-1]) >= int(r[-2]), name  # checkpointing keeps less: never a smaller micro-batch
+    divisors = [m for m in range(1, 65) if 64 % m == 0]
+    [(_, z2, _)] = target_cases("ddp-vs-zero", True, tuple(parse_set(s) for s in sets), ("zero2_no_ac",))
+
+    def peak(m: int, ckpt: bool) -> float:
+        return geometry_memory(with_overrides(z2, {
+            "model.gradient_checkpointing": ckpt, "actor.micro_batch_size_per_gpu": m,
+            "actor.forward_micro_batch_size_per_gpu": m}), True, 141 * 2**30).peak_gb
+
+    for ckpt, fit in ((False, int(rows["zero2_no_ac"][-2])), (True, int(rows["zero2_no_ac"][-1]))):
+        larger = divisors[divisors.index(fit) + 1]
+        assert peak(fit, ckpt) <= 141 < peak(larger, ckpt), (ckpt, fit, larger)
     refused = runner.invoke(app, ["estimate", str(Path(__file__).parent), "--set", "model.path=qwen3-8b"])
     assert refused.exit_code == 2 and "--set and --cases apply to a matrix" in refused.output

@@ -195,8 +195,9 @@ def estimate(
 ) -> None:
     """Predict per-rank memory of each case: model states from the ZeRO formulas (parameters counted by
     transformers from the model's own config, in the precision the engine trains in), then the largest pass's
-    activations and logits and vLLM's KV cache at the case's batch geometry, their sum, and whether it fits."""
-    from zbench.analyze.activations import geometry_memory
+    activations and logits and vLLM's KV cache at the case's batch geometry, their sum, and whether it fits; on a
+    GPU, also the largest micro-batch that would fit without and with activation checkpointing."""
+    from zbench.analyze.activations import geometry_memory, largest_fitting_micro, model_dims
     from zbench.analyze.memory import GIB, estimate_target
     from zbench.config import ConfigError
 
@@ -216,25 +217,34 @@ def estimate(
         sets, globs = parse_sets(set_), parse_globs(cases)
         if (sets or globs) and Path(target).is_dir():
             raise _fail("--set and --cases apply to a matrix; a run root is estimated as it ran")
-        rows = [(e, geometry_memory(cfg, cuda, gpu_bytes), cuda) for e, cfg, cuda
-                in estimate_target(target, None if device == "auto" else device == "cuda", sets, globs)]
+        targets = estimate_target(target, None if device == "auto" else device == "cuda", sets, globs)
+        rows = []
+        for e, cfg, cuda in targets:
+            dims = model_dims(cfg.model.path)
+            fit = tuple(largest_fitting_micro(cfg, ckpt, gpu_bytes, dims) for ckpt in (False, True)) \
+                if cuda and gpu_bytes else None
+            rows.append((e, geometry_memory(cfg, cuda, gpu_bytes, dims), cuda, fit))
     except (RunRootError, ConfigError, ValueError) as e:
         raise _fail(str(e)) from None
-    width = max(len(e.case) for e, _, _ in rows) + 2
+    width = max(len(e.case) for e, *_ in rows) + 2
     typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>15}"
-               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'peak GB':>9}{'fits':>6}")
-    for e, g, cuda in rows:
+               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'peak GB':>9}{'fits':>6}"
+               f"{'fit micro':>11}{'fit ckpt':>10}")
+    for e, g, cuda, fit in rows:
         fits = ("yes" if g.peak_bytes <= gpu_bytes else "no") if cuda and gpu_bytes else "?" if cuda else "-"
+        plain, ckpt = (("none" if m is None else str(m)) for m in fit) if fit else ("-", "-")
         typer.echo(f"{e.case:<{width}}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<24}{e.world_size:>6}"
                    f"{e.precision:>10}{e.n_params:>15,}{e.gpu_bytes / GIB:>11.2f}{e.cpu_bytes / GIB:>9.2f}"
                    f"{e.nvme_bytes / GIB:>9.2f}{max(g.training, g.forward) / GIB:>11.2f}{g.kv_cache / GIB:>8.2f}"
-                   f"{g.peak_gb:>9.2f}{fits:>6}")
+                   f"{g.peak_gb:>9.2f}{fits:>6}{plain:>11}{ckpt:>10}")
     typer.echo("per rank: states = model states on the device (host memory when the case trains on CPU); host / NVMe = "
                "states offloaded there; passes = the largest training or gradient-free micro-batch's activations and "
                "logits (upper bound: full-length sequences); KV = vLLM's cache; peak = states + passes + KV (on CPU: the "
                "host, every rank). precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
-    if any(cuda for *_, cuda in rows):
-        typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU" if gpu_bytes else
+    if any(cuda for _, _, cuda, _ in rows):
+        typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU; fit micro / fit ckpt: the largest "
+                   "training micro-batch (forward passes the same) predicted to fit without / with activation "
+                   "checkpointing, none: not even one sequence" if gpu_bytes else
                    "fits: ? (no GPU here: give --device-memory GB)")
 
 

@@ -709,6 +709,14 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, source: str | None = 
     node[leaf] = value
 
 
+def with_overrides(cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """`cfg` with dotted overrides applied, validated."""
+    data = to_dict(cfg)
+    for key, value in overrides.items():
+        set_dotted(data, key, value)
+    return from_dict(data)
+
+
 def parse_set(item: str) -> tuple[str, Any]:
     """Parse one `--set key=value`; the value is read as a YAML scalar (`3`, `true`, `1e-4`, `cpu`)."""
     if "=" not in item:

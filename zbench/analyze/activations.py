@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
 from zbench.analyze.model_size import model_config
-from zbench.config import RunConfig
+from zbench.config import RunConfig, with_overrides
 from zbench.engine.lm_head import DEFAULT_CHUNK_TOKENS
 
 LOGIT_BYTES = 2 * 4  # fp32 logits and their log-softmax, per token and vocabulary entry
@@ -123,3 +123,20 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
         ranks = cfg.trainer.world_size
         return GeometryMemory(states=states * ranks, training=training * ranks, forward=forward * ranks, kv_cache=0)
     return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv)
+
+
+def largest_fitting_micro(cfg: RunConfig, checkpointing: bool, device_bytes: int, dims: ModelDims | None = None
+                          ) -> int | None:
+    """The largest training micro-batch (a divisor of a rank's share of a mini-batch; gradient-free passes at the
+    same size) at which `cfg`, with activation checkpointing on or off, is predicted to fit a GPU of `device_bytes`;
+    None when not even one sequence does (the model states and KV cache leave no room)."""
+    d = dims or model_dims(cfg.model.path)
+    per_rank = cfg.batch_plan().mini_batch_sequences // cfg.trainer.world_size
+    roles = ("actor", "critic") if cfg.needs_critic else ("actor",)
+    for micro in sorted((m for m in range(1, per_rank + 1) if per_rank % m == 0), reverse=True):
+        geometry = {"model.gradient_checkpointing": checkpointing, **{f"{r}.micro_batch_size_per_gpu": micro
+                                                                     for r in roles},
+                    **{f"{r}.forward_micro_batch_size_per_gpu": micro for r in roles}}
+        if geometry_memory(with_overrides(cfg, geometry), True, device_bytes, d).peak_bytes <= device_bytes:
+            return micro
+    return None

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from zbench.analyze.activations import geometry_memory
 from zbench.analyze.memory import GIB
-from zbench.config import RunConfig, dotted_value, from_dict, set_dotted, to_dict
+from zbench.config import RunConfig, dotted_value, with_overrides
 from zbench.harness.launch import CASE_TIMEOUT, RunInterrupted, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
@@ -117,14 +117,6 @@ def geometry_overrides(keys: dict[str, tuple[str, ...]], constant: dict[str, Any
     out.update({k: g.forward_micro for k in keys["forward"]})
     out.update({k: g.checkpointing for k in keys["checkpointing"]})
     return out
-
-
-def with_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
-    """`cfg` with dotted overrides applied, validated."""
-    data = to_dict(cfg)
-    for key, value in overrides.items():
-        set_dotted(data, key, value)
-    return from_dict(data)
 
 
 def device_budget_gb(on_cuda: bool) -> tuple[float, str]:
