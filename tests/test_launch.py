@@ -118,16 +118,22 @@ def test_sigkill_after_memoryerror_is_oom(tmp_path: Path) -> None:
 
 def test_a_silent_sigkill_is_oom_only_where_the_kernel_counted_an_oom_kill(tmp_path: Path, monkeypatch) -> None:
     # the kernel's OOM killer cannot be made to strike safely here: its counter is what is stood in for
-    (tmp_path / "quiet").mkdir()
-    (tmp_path / "killed").mkdir()
+    for d in ("quiet", "killed", "elsewhere"):
+        (tmp_path / d).mkdir()
+    monkeypatch.setattr(launch.procs, "oom_kill_count", lambda: (7, "/sys/fs/cgroup/memory.events"))
     status = run(tmp_path / "quiet", "sigkill")
     assert status["status"] == "failed" and "check the kernel log for the OOM killer" in status["reason"]
+    # counted in the case's own memory cgroup: the attempt ran out of memory
     counts = iter([(7, "/sys/fs/cgroup/memory.events"), (8, "/sys/fs/cgroup/memory.events")])
     monkeypatch.setattr(launch.procs, "oom_kill_count", lambda: next(counts))
     status = run(tmp_path / "killed", "sigkill")
     assert status["status"] == "oom" and status["exit_code"] == -signal.SIGKILL, status
     assert status["reason"].startswith("the kernel's OOM killer ended a process during this attempt "
                                        "(/sys/fs/cgroup/memory.events oom_kill 7 -> 8)")
+    # counted machine-wide only: maybe another machine user's process; a warning, the status unchanged
+    counts = iter([(3, str(procs.SYSTEM_OOM_COUNTER)), (4, str(procs.SYSTEM_OOM_COUNTER))])
+    status = run(tmp_path / "elsewhere", "sigkill")
+    assert status["status"] == "failed" and "/proc/vmstat oom_kill 3 -> 4" in status["warnings"][0], status
 
 
 def test_the_oom_kill_counter_is_read_from_the_kernel(tmp_path: Path) -> None:
@@ -142,8 +148,12 @@ def test_the_oom_kill_counter_is_read_from_the_kernel(tmp_path: Path) -> None:
     (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 3\n")
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
-    assert procs.oom_kill_count(tmp_path) in ((3, str(tmp_path / "memory.events")),
-                                              (5, str(tmp_path / "memory/memory.oom_control")))
+    assert procs.oom_kill_count(tmp_path, "0::/\n") == (3, str(tmp_path / "memory.events"))
+    assert procs.oom_kill_count(tmp_path, "4:memory:/\n") == (5, str(tmp_path / "memory/memory.oom_control"))
+    # lines not of the form id:controllers:path are skipped; no cgroup file: the machine's count
+    assert procs._cgroup_oom_files("garbage\n\n0::/x\n", tmp_path) == [tmp_path / "x/memory.events",
+                                                                       tmp_path / "memory.events"]
+    assert procs.oom_kill_count(tmp_path / "none", "garbage\n")[1] == str(procs.SYSTEM_OOM_COUNTER)
 
 
 def test_a_hit_recompile_limit_is_a_warning_of_the_case(tmp_path: Path) -> None:

@@ -229,10 +229,45 @@ def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
 
 def test_trials_are_compared_on_the_phases_geometry_changes_not_the_whole_step() -> None:
     # generation's spread makes micro 4's step look slower; its update is faster, and that is what the geometry moved
-    steps = {2: (4.0, 1.2), 4: (4.3, 0.9), 8: (4.1, 1.0)}
+    steps = {1: (4.6, 1.5), 2: (4.0, 1.2), 4: (4.3, 0.9), 8: (4.1, 1.0), 16: (4.5, 1.1)}
     search = drive(space(start=2), lambda g: TrialResult(g, OK, steps[g.train_micro][0], 1.0, 0.0,
                                                         steps[g.train_micro][1]))
     assert tried(search)[:3] == [(2, 0, False), (4, 0, False), (8, 0, False)]
     assert search.best().geometry.train_micro == 4
-    # a trial that measured no phase is compared on its step
-    assert TrialResult(Geometry(2, 0, False), OK, 4.0).ranked_s == 4.0
+    # one measure for a whole case: where some trial measured no phase, every trial is compared on its step
+    mixed = drive(space(start=2), lambda g: TrialResult(g, OK, steps[g.train_micro][0], 1.0, 0.0,
+                                                       None if g.train_micro == 8 else steps[g.train_micro][1]))
+    assert mixed.best().geometry.train_micro == 2 and mixed.ranked_s(mixed.trials[1]) == 4.3
+
+
+def test_the_time_budget_is_shared_so_every_case_gets_its_turn(tmp_path, monkeypatch) -> None:
+    """Three cases, 150 s: each first trial (a session start) takes 40 s, a later one 10 s. Each case may go on
+    within its share of what is left at its turn (50, then 55, then 70 s); the first case's running out of its
+    share does not end the tune. The trials are stood in for (the clock is the tune's own, advanced by them)."""
+    import io
+
+    from zbench.config import parse_set
+    from zbench.harness import tune as tune_mod
+
+    now = [0.0]
+    calls: list[str] = []
+
+    def trial(self, tune, g, left_s):
+        first = tune.case.name not in calls
+        took = 40.0 if first else 10.0
+        now[0] += took
+        (self.walls_started if first else self.walls_served).append(took)
+        calls.append(tune.case.name)
+        name = f"{tune.case.name}.t{len(tune.search.trials) + 1}"
+        tune.trial_names[g] = name
+        self.rows.append({"case": tune.case.name, "trial": name, "status": OK, "step_s": 1.0})
+        return TrialResult(g, OK, 1.0 + 1.0 / g.train_micro, 1.0, 0.0, None), None
+
+    monkeypatch.setattr(tune_mod._Tuner, "trial", trial)
+    cases = ("zero1_no_offload", "zero2_no_offload", "zero3_no_offload")
+    req = tune_mod.TuneRequest(matrix="six-case", case_globs=cases, time_budget_s=150, results_dir=str(tmp_path),
+                               sets=(parse_set("steps=2"),))
+    outcome = tune_mod.run_tune(req, ["zbench", "tune"], out=io.StringIO(), clock=lambda: now[0])
+    assert calls == list(cases)  # one trial each: every case had its turn
+    assert outcome.stopped is not None and outcome.stopped.startswith("time budget of 150 s (this case's share: 50 s)")
+    assert all(t.chosen() is not None for t in outcome.cases)

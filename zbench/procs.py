@@ -150,14 +150,20 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
     return len(found)
 
 
+SYSTEM_OOM_COUNTER = Path("/proc/vmstat")  # the whole machine's count: not the case's own
+
+
 def _cgroup_oom_files(proc_cgroup: str, root: Path) -> list[Path]:
     """Where the memory cgroup of this process counts its OOM kills, from /proc/self/cgroup's text: cgroup v2's
     memory.events and v1's memory.oom_control, at the process's cgroup path and at the mount's root (which is the
-    process's own cgroup inside a container)."""
+    process's own cgroup inside a container). Lines not of the form `id:controllers:path` are skipped."""
     out: list[Path] = []
     for line in proc_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.strip().lstrip("/")
         if controllers == "":  # v2
             out += [root / rel / "memory.events", root / "memory.events"]
         elif "memory" in controllers.split(","):
@@ -165,17 +171,21 @@ def _cgroup_oom_files(proc_cgroup: str, root: Path) -> list[Path]:
     return out
 
 
-def oom_kill_count(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:
+def oom_kill_count(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None
+                   ) -> tuple[int, str] | None:
     """How many processes the kernel's OOM killer has ended, and where that was read: this process's memory cgroup
-    (a container's own), else the whole system (/proc/vmstat); None where the kernel says neither."""
-    with contextlib.suppress(OSError):
-        candidates = _cgroup_oom_files(Path("/proc/self/cgroup").read_text(), cgroup_root)
-        for path in [*candidates, Path("/proc/vmstat")]:
-            with contextlib.suppress(OSError, ValueError):
-                for line in path.read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value), str(path)
+    (a container's own; `proc_cgroup`: /proc/self/cgroup's text), else the whole machine (/proc/vmstat,
+    `SYSTEM_OOM_COUNTER`); None where the kernel says neither."""
+    candidates: list[Path] = []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
+        candidates = _cgroup_oom_files(text, cgroup_root)
+    for path in [*candidates, SYSTEM_OOM_COUNTER]:
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value), str(path)
     return None
 
 

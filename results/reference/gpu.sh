@@ -68,7 +68,9 @@ run)
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"
   ;;
-tune)  # $TUNE_BUDGET_S bounds the tune (default 420 s, --time-budget: a stopped tune keeps what it found)
+tune)  # $TUNE_BUDGET_S bounds the tune (default 420 s, --time-budget, shared among the cases: a stopped tune keeps
+  # what it found). A case's first trial starts its session: 1.5-2.5 min for GRPO on an H100, about 5 min for PPO on a
+  # fresh machine (vLLM's compile cache empty, actor and critic compiled); each later trial about 20 s.
   matrix=$1; cases=$2; shift 2
   ref=(--set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" --set rollout.backend=vllm
        --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512

@@ -128,15 +128,18 @@ def frontier_table(rows: list[dict[str, str]]) -> pd.DataFrame:
         trials = [r for r in rows if r["case"] == case]
         chosen = next((r for r in trials if r.get("chosen") == "true"), None)
         others = [f"{r['trial']}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
-                  for r in trials if r["status"] != "ok"]
+                  for r in trials if r["status"] != "ok" or r.get("reason")]  # ok ones with a warning too
         out.append({"case": case, "trials": str(len(trials)),
                     "chosen": f"{chosen['trial']} ({_label(chosen)})" if chosen else "none within the budget",
                     "step time (s)": _num(chosen["step_s"]) if chosen else math.nan,
                     "updates + gradient-free passes (s)": _num(chosen.get("geometry_s")) if chosen else math.nan,
                     "peak memory (GB)": _num(chosen["peak_memory_gb"]) if chosen else math.nan,
-                    "fastest / slowest trial within budget": _spread(trials),
-                    "not chosen for a reason": "; ".join(others) or "–"})
+                    f"fastest / slowest trial within budget ({_RANKED_LABEL[_ranked_key(trials)]})": _spread(trials),
+                    "trials with a reason or warning": "; ".join(others) or "–"})
     return pd.DataFrame(out)
+
+
+_RANKED_LABEL = {"geometry_s": "updates + passes", "step_s": "step"}
 
 
 def _ranked_key(trials: list[dict[str, str]]) -> str:

@@ -52,7 +52,16 @@ TRANSIENT_PATTERNS = re.compile(
 )
 # Dynamo's warning when a compiled function meets more variants than its limit: what it stopped compiling runs eager
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(?:accumulated_)?(?:recompile|cache_size)_limit[^\n]*")
-_TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
+_TRANSIENT_TAIL_LINES = 200
+
+
+def recompile_warning(log_text: str, where: str) -> str | None:
+    """The warning a case gets when its log (`where`) shows torch.compile's recompile limit hit, or None."""
+    hit = RECOMPILE_LIMIT.search(log_text)
+    if hit is None:
+        return None
+    return (f"torch.compile hit its recompile limit ({hit.group(0).strip()}, {where}): what it stopped compiling ran "
+            "eager from then on, so this case's times are not those of its compiled path")  # a transient cause shows at the end of the log, not in start-up chatter
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
 EXCEPTION_LINE = re.compile(
     r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Died)\b.*)$"
@@ -197,10 +206,11 @@ class Attempt:
 
 def _classify(
     case_dir: Path, watch: _Watch, exit_code: int | None, log_text: str, warnings: list[str],
-    oom_kills: str | None = None,
+    oom_kills: OomKills | None = None,
 ) -> tuple[str, str, bool, bool]:
     """(status, reason, retryable, config_error) of a finished attempt; `oom_kills` says that the kernel's OOM
-    killer ended processes while it ran."""
+    killer ended processes while it ran: counted in the case's own memory cgroup, the attempt is `oom` (a process
+    ended by SIGKILL leaves no message: the engine, a worker, a trial's server); counted machine-wide, a note."""
     reason = reason_from_log(log_text)
     if _result_complete(case_dir):
         if exit_code != 0:
@@ -210,14 +220,17 @@ def _classify(
         return "completed", "", False, False
     if watch.interrupted:
         return "interrupted", "interrupted by signal", False, False
-    if oom_kills:  # a process of the case (the engine, a worker, a trial's server) ended by SIGKILL leaves no message
-        return "oom", f"the kernel's OOM killer ended a process during this attempt ({oom_kills}); then: " \
+    if exit_code == CONFIG_ERROR_EXIT:
+        return "failed", f"config error: {reason}" if reason else "config error", False, True
+    if oom_kills and oom_kills.own:
+        return "oom", f"the kernel's OOM killer ended a process during this attempt ({oom_kills.text}); then: " \
                       f"{watch.fired or reason or _exit_text(exit_code)}"[:400], False, False
+    if oom_kills:
+        warnings.append(f"the kernel's OOM killer ended a process on this machine during this attempt "
+                        f"({oom_kills.text}), maybe one of this case's")
     if watch.fired:
         # a hang (step timeout) may be transient; a case out of its whole-case time would spend that time again
         return "timeout", watch.fired, not watch.fired.startswith(CASE_TIMEOUT), False
-    if exit_code == CONFIG_ERROR_EXIT:
-        return "failed", f"config error: {reason}" if reason else "config error", False, True
     killed = exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
     if OOM_PATTERNS.search(log_text) or (killed and re.search(r"\bKilled\b", log_text)):
         oom_line = next((ln.strip() for ln in reversed(log_text.splitlines()) if OOM_PATTERNS.search(ln)), "")
@@ -252,12 +265,21 @@ def _prepare_attempt(case_dir: Path, attempt: int) -> None:
         (case_dir / casedir.HEARTBEAT).unlink()
 
 
-def _oom_kills_since(before: tuple[int, str] | None) -> str | None:
-    """What the OOM-kill counter read at an attempt's start says now, when it rose: `<file> oom_kill a -> b`."""
+@dataclass(frozen=True, slots=True)
+class OomKills:
+    """The kernel's OOM killer ended processes while an attempt ran: where that was counted, and whether that count
+    is the case's own (its memory cgroup: a container's) or the whole machine's."""
+
+    text: str  # `<file> oom_kill a -> b`
+    own: bool
+
+
+def _oom_kills_since(before: tuple[int, str] | None) -> OomKills | None:
+    """What the OOM-kill counter read at an attempt's start says now, when it rose."""
     after = procs.oom_kill_count()
     if before is None or after is None or after[1] != before[1] or after[0] <= before[0]:
         return None
-    return f"{after[1]} oom_kill {before[0]} -> {after[0]}"
+    return OomKills(f"{after[1]} oom_kill {before[0]} -> {after[0]}", after[1] != str(procs.SYSTEM_OOM_COUNTER))
 
 
 def run_attempt(
@@ -322,9 +344,8 @@ def run_attempt(
     warnings: list[str] = []
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings,
                                                        _oom_kills_since(kills_before))
-    if hit := RECOMPILE_LIMIT.search(log_text):
-        warnings.append(f"torch.compile hit its recompile limit ({hit.group(0).strip()}, train.log): what it stopped "
-                        "compiling ran eager from then on, so this case's times are not those of its compiled path")
+    if warning := recompile_warning(log_text, "train.log"):
+        warnings.append(warning)
     status.update(
         status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),
         ended_at=casedir.utc_now(), warnings=warnings,

@@ -18,6 +18,7 @@ from pathlib import Path
 from zbench import procs, stacks
 from zbench.runroot import casedir
 
+SESSION_HEADER = "==== zbench session "  # the session log's line before each server's console
 START_WAIT_S = 120.0  # for the server to say who it is (its interpreter's start)
 
 
@@ -63,7 +64,7 @@ class TrialServer:
         }  # fmt: skip
         argv = [*self.command, "--session", str(self.dir.resolve())]
         with (self.dir / casedir.SESSION_LOG).open("ab") as logf:
-            logf.write(f"==== zbench session {self.starts} started {casedir.utc_now()}: {' '.join(argv)}\n".encode())
+            logf.write(f"{SESSION_HEADER}{self.starts} started {casedir.utc_now()}: {' '.join(argv)}\n".encode())
             logf.flush()
             self.proc = subprocess.Popen(argv, cwd=self.dir, env=env, stdin=subprocess.DEVNULL, stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,6 +72,15 @@ class TrialServer:
         while (self.running() and not (self.dir / casedir.SESSION_SERVER).exists()
                and time.monotonic() < deadline):
             time.sleep(0.05)
+
+    def log_text(self) -> str:
+        """The console of the server now running (its part of the session log), or "" when none started."""
+        try:
+            text = (self.dir / casedir.SESSION_LOG).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        start = text.rfind(SESSION_HEADER)
+        return text[start:] if start >= 0 else text
 
     def close(self, grace_s: float = 60.0) -> None:
         """Ask an idle server to stop (it shuts its Ray down), then stop whatever is left; a busy one (its trial's

@@ -32,7 +32,13 @@ from typing import Any, TextIO
 from zbench.analyze.activations import geometry_memory
 from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, dotted_value, with_overrides
-from zbench.harness.launch import CASE_TIMEOUT, RunInterrupted, options_for_profile, run_cases
+from zbench.harness.launch import (
+    CASE_TIMEOUT,
+    RunInterrupted,
+    options_for_profile,
+    recompile_warning,
+    run_cases,
+)
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
@@ -182,10 +188,12 @@ def _trial_row(root: RunRoot, tune: CaseTune, name: str, g: Geometry, cfg: RunCo
         else num(row["cpu_memory_used_gb"])
     step = num(row["step_time_mean_s"])
     state, reason = status.get("status", "failed"), str(status.get("reason") or "")
+    warned = "; ".join(status.get("warnings") or [])  # a trial's warnings qualify its times
     if state == "completed":
-        state, reason = OK, "; ".join(status.get("warnings") or [])  # a trial's warnings qualify its times
+        state, reason = OK, warned
         if peak is not None and peak > budget_gb:
-            state, reason = OVER_BUDGET, f"measured peak {peak:.2f} GB > memory budget {budget_gb:.2f} GB"
+            state = OVER_BUDGET
+            reason = "; ".join(filter(None, [f"measured peak {peak:.2f} GB > memory budget {budget_gb:.2f} GB", warned]))
     elif stopped:
         state, reason = "stopped", stopped
     phases = {p: phase(p) for p in PHASES}
@@ -338,6 +346,7 @@ class _Tuner:
             raise
         wall = self.clock() - t0
         (self.walls_started if server.starts > starts else self.walls_served).append(wall)
+        status = self._session_warnings(trial, status, server)
         timed_out = left_s is not None and status.get("status") == "timeout" \
             and str(status.get("reason", "")).startswith(CASE_TIMEOUT)
         stop = f"time budget of {self.req.time_budget_s:g} s spent during this trial" if timed_out else None
@@ -349,6 +358,19 @@ class _Tuner:
                  f"(predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on this "
                  f"case {offset_gb:.2f}){'; ' + row['reason'] if row['reason'] else ''}")
         return result, stop
+
+    def _session_warnings(self, trial: str, status: dict[str, Any], server: TrialServer) -> dict[str, Any]:
+        """A recompile limit hit by an earlier trial of the session (torch.compile warns once, then runs eager in
+        silence) qualifies this trial's times too: its warning goes into the trial's status."""
+        warned = status.get("warnings") or []
+        if any(w.startswith("torch.compile hit its recompile limit") for w in warned):
+            return status
+        warning = recompile_warning(server.log_text(), f"{server.dir.name}/{casedir.SESSION_LOG}, an earlier trial")
+        if warning is None:
+            return status
+        status = {**status, "warnings": [*warned, warning]}
+        casedir.write_status(self.root.case_dir(trial), status)
+        return status
 
     def manifest_entry(self, stopped: str | None) -> dict[str, Any]:
         """The tune's settings and each case's outcome, for manifest.json."""
@@ -392,7 +414,8 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
             # each case an equal share of the time left (what a case leaves unused goes to the ones after it)
             share = None if req.time_budget_s is None else \
                 max(0.0, req.time_budget_s - (clock() - started)) / (len(tuner.tunes) - i)
-            stopped = stopped or tuner.tune_case(tune, share)
+            stop = tuner.tune_case(tune, share)  # every case has its turn, whatever stopped the one before
+            stopped = stopped or stop
     except RunInterrupted:
         stopped = "interrupted by a signal"
         raise

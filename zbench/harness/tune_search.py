@@ -51,11 +51,6 @@ class TrialResult:
     forward_s: float | None = None
     geometry_s: float | None = None
 
-    @property
-    def ranked_s(self) -> float | None:
-        """The time trials are compared on: the phases geometry changes where measured, else the whole step."""
-        return self.geometry_s if self.geometry_s is not None else self.step_s
-
 
 @dataclass(frozen=True, kw_only=True)
 class Space:
@@ -94,21 +89,30 @@ class Search:
         """Whether `g` is predicted to stay within the budget."""
         return self.predicted_gb(g) <= self.space.budget_gb
 
+    def ranked_s(self, t: TrialResult) -> float | None:
+        """The time the case's trials are compared on, one measure for all of them: the phases geometry changes
+        (`geometry_s`) where every trial that ran measured them, else the whole step."""
+        ran = [r for r in self.trials if r.status == OK and r.step_s is not None]
+        by_phases = all(r.geometry_s is not None for r in ran) and t.geometry_s is not None
+        return t.geometry_s if by_phases else t.step_s
+
     def best(self) -> TrialResult | None:
-        """The fastest trial within the budget (`TrialResult.ranked_s`); of those within the tolerance of the fastest
-        (which a few timed steps cannot tell apart), the one that needs the least memory."""
-        ok = [t for t in self.trials if t.status == OK and t.ranked_s is not None]
+        """The fastest trial within the budget (`ranked_s`); of those within the tolerance of the fastest (which a
+        few timed steps cannot tell apart), the one that needs the least memory."""
+        ok = [(t, v) for t in self.trials if t.status == OK and (v := self.ranked_s(t)) is not None]
         if not ok:
             return None
-        fastest = min(t.ranked_s or 0.0 for t in ok)
-        close = [t for t in ok if (t.ranked_s or 0.0) <= fastest * (1 + self.space.tolerance)]
-        return min(close, key=lambda t: (t.peak_gb if t.peak_gb is not None else float("inf"), t.ranked_s))
+        fastest = min(v for _, v in ok)
+        close = [(t, v) for t, v in ok if v <= fastest * (1 + self.space.tolerance)]
+        return min(close, key=lambda tv: (tv[0].peak_gb if tv[0].peak_gb is not None else float("inf"), tv[1]))[0]
 
     def faster(self, r: TrialResult, than: TrialResult | None) -> bool:
-        """Whether `r` ran within budget and beat `than` by more than the tolerance (`TrialResult.ranked_s`)."""
-        if r.status != OK or r.ranked_s is None:
+        """Whether `r` ran within budget and beat `than` by more than the tolerance (`ranked_s`)."""
+        mine = self.ranked_s(r) if r.status == OK else None
+        if mine is None:
             return False
-        return than is None or than.ranked_s is None or r.ranked_s < than.ranked_s * (1 - self.space.tolerance)
+        theirs = self.ranked_s(than) if than is not None else None
+        return theirs is None or mine < theirs * (1 - self.space.tolerance)
 
     # ---------------------------------------------------------------- the plan
 
@@ -241,10 +245,11 @@ class Search:
             self.notes.append(f"forward micro-batch: none larger than the training micro-batch "
                               f"({best.geometry.train_micro}) divides a rank's sequences")
             return
-        if best.forward_s is not None and best.ranked_s and best.forward_s < self.space.tolerance * best.ranked_s:
-            of = "the updates' and passes'" if best.geometry_s is not None else "a step's"
+        ranked = self.ranked_s(best)
+        if best.forward_s is not None and ranked and best.forward_s < self.space.tolerance * ranked:
+            of = "the updates' and passes'" if ranked == best.geometry_s else "a step's"
             self.notes.append(f"forward micro-batch: not tried; the gradient-free passes take {best.forward_s:.3f} s "
-                              f"of {of} {best.ranked_s:.3f} s, less than tuning can tell from noise")
+                              f"of {of} {ranked:.3f} s, less than tuning can tell from noise")
             return
         for f in larger:
             g = replace(best.geometry, forward_micro=f)
