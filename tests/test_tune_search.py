@@ -240,10 +240,10 @@ def test_trials_are_compared_on_the_phases_geometry_changes_not_the_whole_step()
     assert mixed.best().geometry.train_micro == 2 and mixed.ranked_s(mixed.trials[1]) == 4.3
 
 
-def test_the_time_budget_is_shared_so_every_case_gets_its_turn(tmp_path, monkeypatch) -> None:
-    """Three cases, 150 s: each first trial (a session start) takes 40 s, a later one 10 s. Each case may go on
-    within its share of what is left at its turn (50, then 55, then 70 s); the first case's running out of its
-    share does not end the tune. The trials are stood in for (the clock is the tune's own, advanced by them)."""
+def _tune_with_stand_in_trials(tmp_path, monkeypatch, **request):
+    """`run_tune` of three six-case cases whose trials are stood in for: a case's first trial (a session start)
+    takes 40 s of the tune's own clock, a later one 10 s; every trial peaks at 1 GB. Returns the outcome, the case
+    of each trial in order, and what the tune printed."""
     import io
 
     from zbench.config import parse_set
@@ -264,10 +264,28 @@ def test_the_time_budget_is_shared_so_every_case_gets_its_turn(tmp_path, monkeyp
         return TrialResult(g, OK, 1.0 + 1.0 / g.train_micro, 1.0, 0.0, None), None
 
     monkeypatch.setattr(tune_mod._Tuner, "trial", trial)
-    cases = ("zero1_no_offload", "zero2_no_offload", "zero3_no_offload")
-    req = tune_mod.TuneRequest(matrix="six-case", case_globs=cases, time_budget_s=150, results_dir=str(tmp_path),
-                               sets=(parse_set("steps=2"),))
-    outcome = tune_mod.run_tune(req, ["zbench", "tune"], out=io.StringIO(), clock=lambda: now[0])
-    assert calls == list(cases)  # one trial each: every case had its turn
+    req = tune_mod.TuneRequest(matrix="six-case", case_globs=CASES3, results_dir=str(tmp_path),
+                               sets=(parse_set("steps=2"),), **request)
+    out = io.StringIO()
+    outcome = tune_mod.run_tune(req, ["zbench", "tune"], out=out, clock=lambda: now[0])
+    return outcome, calls, out.getvalue()
+
+
+CASES3 = ("zero1_no_offload", "zero2_no_offload", "zero3_no_offload")
+
+
+def test_the_time_budget_is_shared_so_every_case_gets_its_turn(tmp_path, monkeypatch) -> None:
+    """150 s for three cases: each may go on within its share of what is left at its turn (50, then 55, then 70 s);
+    the first case's running out of its share does not end the tune."""
+    outcome, calls, _ = _tune_with_stand_in_trials(tmp_path, monkeypatch, time_budget_s=150)
+    assert calls == list(CASES3)  # one trial each: every case had its turn
     assert outcome.stopped is not None and outcome.stopped.startswith("time budget of 150 s (this case's share: 50 s)")
     assert all(t.chosen() is not None for t in outcome.cases)
+
+
+def test_a_chosen_peak_close_to_the_memory_budget_is_pointed_out(tmp_path, monkeypatch) -> None:
+    outcome, _, printed = _tune_with_stand_in_trials(tmp_path, monkeypatch, memory_budget_gb=1.05)
+    assert outcome.stopped is None and all(t.complete for t in outcome.cases)
+    assert printed.count("the chosen geometry's peak, 1.00 GB, is 95% of the memory budget") == 3
+    _, _, roomy = _tune_with_stand_in_trials(tmp_path / "roomy", monkeypatch, memory_budget_gb=2.0)
+    assert "of the memory budget" not in roomy

@@ -60,6 +60,7 @@ from zbench.runroot.tuning import (
 )
 
 TRIAL_STEPS = 3  # a warm-up step, then timed steps (the steady-state rule skips step 1)
+TIGHT_PEAK = 0.9  # a chosen peak above this share of the memory budget is pointed out (longer batches need more)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,9 +304,14 @@ class _Tuner:
                 geometry = None
             self.write()
         tune.complete = True
+        best = tune.chosen()
+        if best is not None and best.peak_gb is not None and best.peak_gb > TIGHT_PEAK * self.budget_gb:
+            tune.search.notes.append(
+                f"the chosen geometry's peak, {best.peak_gb:.2f} GB, is {best.peak_gb / self.budget_gb:.0%} of the "
+                f"memory budget: a run whose batches are longer than its trials' may not fit; a smaller "
+                f"--memory-budget leaves room")
         for note in tune.search.notes:
             self.say(f"{name}: {note}")
-        best = tune.chosen()
         verdict = (f"chose {best.geometry.label()} ({tune.trial_names[best.geometry]}), step {best.step_s:.3f} s"
                    f"{_geometry_part(best)}, peak {best.peak_gb:.2f} GB"
                    if best and best.step_s is not None and best.peak_gb is not None
