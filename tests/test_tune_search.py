@@ -277,8 +277,9 @@ CASES3 = ("zero1_no_offload", "zero2_no_offload", "zero3_no_offload")
 def test_the_time_budget_is_shared_so_every_case_gets_its_turn(tmp_path, monkeypatch) -> None:
     """150 s for three cases: each may go on within its share of what is left at its turn (50, then 55, then 70 s);
     the first case's running out of its share does not end the tune."""
-    outcome, calls, _ = _tune_with_stand_in_trials(tmp_path, monkeypatch, time_budget_s=150)
+    outcome, calls, printed = _tune_with_stand_in_trials(tmp_path, monkeypatch, time_budget_s=150)
     assert calls == list(CASES3)  # one trial each: every case had its turn
+    assert "zero2_no_offload: 55 s of the time budget (an equal share of the 110 s left)" in printed
     assert outcome.stopped is not None and outcome.stopped.startswith("time budget of 150 s (this case's share: 50 s)")
     assert all(t.chosen() is not None for t in outcome.cases)
 

@@ -420,6 +420,9 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
             # each case an equal share of the time left (what a case leaves unused goes to the ones after it)
             share = None if req.time_budget_s is None else \
                 max(0.0, req.time_budget_s - (clock() - started)) / (len(tuner.tunes) - i)
+            if share is not None:
+                tuner.say(f"{tune.case.name}: {share:.0f} s of the time budget (an equal share of the "
+                          f"{max(0.0, req.time_budget_s - (clock() - started)):.0f} s left)")
             stop = tuner.tune_case(tune, share)  # every case has its turn, whatever stopped the one before
             stopped = stopped or stop
     except RunInterrupted:
