@@ -116,12 +116,14 @@ def test_summary_rows(tmp_path: Path) -> None:
         "case\talgorithm\tzero_stage\toffload\toffload_effective\trollout_backend\tworld_size\tseed\tstatus\t"
         "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
         "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
-        "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb"
+        "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb\t"
+        "step_time_sd_s"
     )
     ppo, grpo = summary.read_summary(path)
     assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
     assert ppo["offload"] == "cpu" and ppo["offload_effective"] == "optimizer" and ppo["world_size"] == "2"
     assert ppo["step_time_mean_s"] == "3" and ppo["throughput_mean"] == "15"  # steps 2..N only
+    assert ppo["step_time_sd_s"] == "1.41421"  # steps 2 and 3 (2 s, 4 s): one step strays this far
     assert ppo["score_first"] == "0.2" and ppo["score_last"] == "0.4" and ppo["score_max"] == "0.5"
     assert ppo["loss_last"] == "1" and grpo["loss_last"] == "-0.333333"  # vf_loss for PPO, pg_loss for GRPO
     assert ppo["max_memory_allocated_gb"] == "" and ppo["mfu_mean"] == "" and ppo["cpu_memory_used_gb"] == "4"
@@ -141,6 +143,7 @@ def test_summary_of_unstarted_case_and_single_step(tmp_path: Path) -> None:
     pending, one = root.summary_rows()
     assert pending["status"] == "pending" and pending["config_hash"] == "" and pending["reason"] == ""
     assert one["step_time_mean_s"] == "9" and one["steps_completed"] == "1" and one["steps_target"] == "1"
+    assert one["step_time_sd_s"] == ""  # one step: no spread to tell
 
 
 def test_step_means_leave_out_a_profiled_step(tmp_path: Path) -> None:
@@ -265,11 +268,13 @@ def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> Non
     write_case(root.path / "zero3", "grpo", gpu=True)
     path = root.write_summary()
     lines = path.read_text().splitlines()
-    older = [line.rsplit("\t", 1)[0] for line in lines]  # drop the last (later) column
+    later = len(summary.LATER_SUMMARY_COLUMNS)
+    assert summary.SUMMARY_COLUMNS[-later:] == summary.LATER_SUMMARY_COLUMNS  # later columns go at the end
+    older = [line.rsplit("\t", later)[0] for line in lines]  # a summary written before them
     old_path = tmp_path / "old_summary.tsv"
     old_path.write_text("\n".join(older) + "\n")
     (row,) = summary.read_summary(old_path)
-    assert row["case"] == "zero3" and row["device_memory_used_gb"] == ""
+    assert row["case"] == "zero3" and row["device_memory_used_gb"] == "" and row["step_time_sd_s"] == ""
     frame = read_frame(old_path)
     assert list(frame.columns) == list(summary.SUMMARY_COLUMNS) and frame["device_memory_used_gb"].isna().all()
     bad = tmp_path / "bad.tsv"

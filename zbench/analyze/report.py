@@ -86,7 +86,8 @@ def case_table(run: RunRoot, baseline: str | None) -> tuple[pd.DataFrame, str]:
         rows.append({
             "case": c.name, "status": c.status,
             "steps": f"{_count(c.value('steps_completed'))}/{_count(c.value('steps_target'))}",
-            "step time (s)": c.value("step_time_mean_s"), "throughput (tok/s/GPU)": c.value("throughput_mean"),
+            "step time (s)": c.value("step_time_mean_s"), "step time sd (s)": c.value("step_time_sd_s"),
+            "throughput (tok/s/GPU)": c.value("throughput_mean"),
             f"peak {lead.heading}": mem,
             "final score": c.value("score_last"), "best score": c.value("score_max"),
             "memory saved (%)": (1 - mem / base_mem) * 100 if base_mem else math.nan,

@@ -29,9 +29,10 @@ SUMMARY_COLUMNS = (
     "status", "steps_completed", "steps_target", "wall_s", "step_time_mean_s", "throughput_mean", "mfu_mean",
     "max_memory_allocated_gb", "max_memory_reserved_gb", "cpu_memory_used_gb", "score_first", "score_last",
     "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash", "device_memory_used_gb",
+    "step_time_sd_s",
 )  # fmt: skip
 # Columns added after the first release: a summary written before them reads back with them empty.
-LATER_SUMMARY_COLUMNS = ("device_memory_used_gb",)
+LATER_SUMMARY_COLUMNS = ("device_memory_used_gb", "step_time_sd_s")
 TEXT_COLUMNS = frozenset({"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
                           "case_dir", "config_hash"})  # fmt: skip
 
@@ -83,6 +84,13 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> list[float]:
 def _mean(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
     values = _series(records, key)
     return statistics.fmean(values) if values else None
+
+
+def _sd(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The sample standard deviation of a metric over the records (None below two values): how far one step's
+    figure strays, so that a difference between cases can be set against it."""
+    values = _series(records, key)
+    return statistics.stdev(values) if len(values) >= 2 else None
 
 
 def _peak(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -138,6 +146,7 @@ def case_summary_row(run_root: str | os.PathLike[str], case: str, case_dir: str 
         "steps_target": result.get("steps_target", cfg.steps if cfg else None),
         "wall_s": result.get("wall_s"),
         "step_time_mean_s": _mean(steady, "timing_s/step"),
+        "step_time_sd_s": _sd(steady, "timing_s/step"),
         "throughput_mean": _mean(steady, "perf/throughput"),
         "mfu_mean": _mean(steady, "perf/mfu/actor"),
         "max_memory_allocated_gb": _peak(unprofiled, "perf/max_memory_allocated_gb"),
