@@ -143,25 +143,27 @@ def test_a_trial_that_changes_more_than_its_geometry_is_refused(tmp_path: Path):
 
 
 def test_a_recompile_limit_hit_earlier_in_the_session_qualifies_the_later_trials(tmp_path: Path) -> None:
-    """torch.compile warns once, then runs what it stopped compiling eager in silence: a trial served after the
-    warning gets it from the session's log (of the server now running, not of one before it)."""
+    """torch.compile warns once per process, then runs what it stopped compiling eager in silence: a trial served
+    after the one that hit the limit carries its warning; a new server (a new process) starts without it."""
     from types import SimpleNamespace
 
+    from zbench.harness.launch import recompile_warning
     from zbench.harness.tune import _Tuner
 
     server = TrialServer(tmp_path / "c.session", (sys.executable, "-m", "zbench.engine"), {})
-    server.dir.mkdir()
-    hit = "[0/8] torch._dynamo hit config.recompile_limit (8)\n"
-    log = server.dir / casedir.SESSION_LOG
-    log.write_text(f"==== zbench session 1 started x\n{hit}==== zbench session 2 started y\nstep:1\n")
-    assert "session 2" in server.log_text() and "recompile_limit" not in server.log_text()
-    (tmp_path / "c.t2").mkdir()
     tuner = SimpleNamespace(root=SimpleNamespace(case_dir=lambda name: tmp_path / name))
-    status = {"status": "completed", "warnings": []}
-    assert _Tuner._session_warnings(tuner, "c.t2", status, server) == status  # the hit was a former server's
-    log.write_text(log.read_text() + hit + "step:2\n")
-    warned = _Tuner._session_warnings(tuner, "c.t2", status, server)
-    [warning] = warned["warnings"]
-    assert warning.startswith("torch.compile hit its recompile limit (torch._dynamo hit config.recompile_limit (8), "
-                              "c.session/session.log, an earlier trial)")
-    assert casedir.read_status(tmp_path / "c.t2")["warnings"] == [warning]
+    hit = recompile_warning("[0/8] torch._dynamo hit config.recompile_limit (8)\n")
+    assert hit is not None
+    for name in ("c.t1", "c.t2", "c.t3"):
+        (tmp_path / name).mkdir()
+    clean = {"status": "completed", "warnings": []}
+    assert _Tuner._session_warnings(tuner, "c.t1", {**clean, "warnings": [hit]}, server)["warnings"] == [hit]
+    carried = _Tuner._session_warnings(tuner, "c.t2", clean, server)
+    assert carried["warnings"] == [f"an earlier trial of this session: {hit}"]
+    assert casedir.read_status(tmp_path / "c.t2")["warnings"] == carried["warnings"]
+    try:
+        server.ensure_running()  # a new server process: nothing carried into it
+        assert server.running() and _Tuner._session_warnings(tuner, "c.t3", clean, server) == clean
+    finally:
+        server.close(grace_s=30.0)
+    assert not server.running()

@@ -52,16 +52,17 @@ TRANSIENT_PATTERNS = re.compile(
 )
 # Dynamo's warning when a compiled function meets more variants than its limit: what it stopped compiling runs eager
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(?:accumulated_)?(?:recompile|cache_size)_limit[^\n]*")
-_TRANSIENT_TAIL_LINES = 200
+RECOMPILE_WARNING = "torch.compile hit its recompile limit"  # how the warning a case gets for it begins
+_TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
 
 
-def recompile_warning(log_text: str, where: str) -> str | None:
-    """The warning a case gets when its log (`where`) shows torch.compile's recompile limit hit, or None."""
+def recompile_warning(log_text: str) -> str | None:
+    """The warning a case gets when its train.log shows torch.compile's recompile limit hit, or None."""
     hit = RECOMPILE_LIMIT.search(log_text)
     if hit is None:
         return None
-    return (f"torch.compile hit its recompile limit ({hit.group(0).strip()}, {where}): what it stopped compiling ran "
-            "eager from then on, so this case's times are not those of its compiled path")  # a transient cause shows at the end of the log, not in start-up chatter
+    return (f"{RECOMPILE_WARNING} ({hit.group(0).strip()}, train.log): what it stopped compiling ran eager from "
+            "then on, so this case's times are not those of its compiled path")
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
 EXCEPTION_LINE = re.compile(
     r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Died)\b.*)$"
@@ -344,7 +345,7 @@ def run_attempt(
     warnings: list[str] = []
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings,
                                                        _oom_kills_since(kills_before))
-    if warning := recompile_warning(log_text, "train.log"):
+    if warning := recompile_warning(log_text):
         warnings.append(warning)
     status.update(
         status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),

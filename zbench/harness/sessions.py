@@ -18,7 +18,6 @@ from pathlib import Path
 from zbench import procs, stacks
 from zbench.runroot import casedir
 
-SESSION_HEADER = "==== zbench session "  # the session log's line before each server's console
 START_WAIT_S = 120.0  # for the server to say who it is (its interpreter's start)
 
 
@@ -31,6 +30,9 @@ class TrialServer:
         self.env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        # torch.compile warns of its recompile limit once per process, then runs eager in silence: the warning of
+        # the server now running, which every trial it serves after the one that hit the limit carries too
+        self.recompile_warning: str | None = None
 
     def client_command(self) -> tuple[str, ...]:
         """The command a trial runs as (the launcher appends the trial's folder)."""
@@ -57,6 +59,7 @@ class TrialServer:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
         self.starts += 1
+        self.recompile_warning = None
         env = {
             **os.environ, **self.env, "PYTHONUNBUFFERED": "1", "ZBENCH_RAY_TMPDIR": str(casedir.ray_tmpdir(self.dir)),
             procs.SUPERVISOR_ENV: procs.identity(),  # the server stops itself when the harness is gone
@@ -64,7 +67,7 @@ class TrialServer:
         }  # fmt: skip
         argv = [*self.command, "--session", str(self.dir.resolve())]
         with (self.dir / casedir.SESSION_LOG).open("ab") as logf:
-            logf.write(f"{SESSION_HEADER}{self.starts} started {casedir.utc_now()}: {' '.join(argv)}\n".encode())
+            logf.write(f"==== zbench session {self.starts} started {casedir.utc_now()}: {' '.join(argv)}\n".encode())
             logf.flush()
             self.proc = subprocess.Popen(argv, cwd=self.dir, env=env, stdin=subprocess.DEVNULL, stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -72,15 +75,6 @@ class TrialServer:
         while (self.running() and not (self.dir / casedir.SESSION_SERVER).exists()
                and time.monotonic() < deadline):
             time.sleep(0.05)
-
-    def log_text(self) -> str:
-        """The console of the server now running (its part of the session log), or "" when none started."""
-        try:
-            text = (self.dir / casedir.SESSION_LOG).read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        start = text.rfind(SESSION_HEADER)
-        return text[start:] if start >= 0 else text
 
     def close(self, grace_s: float = 60.0) -> None:
         """Ask an idle server to stop (it shuts its Ray down), then stop whatever is left; a busy one (its trial's

@@ -8,15 +8,15 @@ Each trial is a short real run of the case (a warm-up step, then timed steps) in
 is a recorded outcome, never fatal). The trials of a case share one engine process, its Ray, workers and rollout
 engine (`zbench.engine.session`, served from `<case>.session`): a trial after the first pays for building the
 models at its geometry, not for starting everything again. A trial that fails ends its session; the next trial
-starts a new one. A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU)
-exceeds the budget is `over_budget`. Trials are compared on the phases batch geometry changes (the updates and the
-gradient-free passes: `geometry_s` in tuning.tsv, the step time beside it): generation, the reward and the weight
-push are the same work at every geometry, and a host-bound rollout's spread would drown the rest. Which geometry comes next is `zbench.harness.tune_search`'s job; keys the
-case's matrix entry or `--set` gives are fixed, never tuned. On CUDA with `rollout.backend: vllm` every trial fits
-the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least memory at which a rollout never waits for cache)
-unless the case fixes `rollout.kv_cache_fit` or `rollout.gpu_memory_utilization`. After every trial `tuning.tsv` and
-`tuned.yaml` are rewritten, so a tune stopped by its time budget or a signal leaves what it found. The time
-budget is shared out: each case may start trials within an equal share of what is left when its turn comes (its
+starts a new one. A trial whose measured peak (device-wide on GPU, the processes' RSS on CPU) exceeds the budget is
+`over_budget`. Trials are compared on the phases batch geometry changes (the updates and the gradient-free passes:
+`geometry_s` in tuning.tsv, the step time beside it): generation, the reward and the weight push are the same work
+at every geometry, and a host-bound rollout's spread would drown the rest. Which geometry comes next is
+`zbench.harness.tune_search`'s job; keys the case's matrix entry or `--set` gives are fixed, never tuned. On CUDA
+with `rollout.backend: vllm` every trial fits the KV cache to one rollout (`rollout.kv_cache_fit: true`: the least
+memory at which a rollout never waits for cache) unless the case fixes `rollout.kv_cache_fit` or
+`rollout.gpu_memory_utilization`. After every trial `tuning.tsv` and `tuned.yaml` are rewritten, so a tune stopped
+by its time budget or a signal leaves what it found. The time budget is shared out: each case may start trials within an equal share of what is left when its turn comes (its
 first trial within what the whole budget has left), so one slow case cannot leave the others untuned.
 """
 
@@ -34,9 +34,9 @@ from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, dotted_value, with_overrides
 from zbench.harness.launch import (
     CASE_TIMEOUT,
+    RECOMPILE_WARNING,
     RunInterrupted,
     options_for_profile,
-    recompile_warning,
     run_cases,
 )
 from zbench.harness.matrix import Case, check_name, load_matrix, shipped_matrices
@@ -366,15 +366,14 @@ class _Tuner:
         return result, stop
 
     def _session_warnings(self, trial: str, status: dict[str, Any], server: TrialServer) -> dict[str, Any]:
-        """A recompile limit hit by an earlier trial of the session (torch.compile warns once, then runs eager in
-        silence) qualifies this trial's times too: its warning goes into the trial's status."""
+        """A recompile limit hit by an earlier trial of the session's server (torch.compile warns once, then runs
+        eager in silence) qualifies this trial's times too: its warning goes into the trial's status."""
         warned = status.get("warnings") or []
-        if any(w.startswith("torch.compile hit its recompile limit") for w in warned):
+        own = next((w for w in warned if w.startswith(RECOMPILE_WARNING)), None)
+        if own is not None or server.recompile_warning is None:
+            server.recompile_warning = server.recompile_warning or own
             return status
-        warning = recompile_warning(server.log_text(), f"{server.dir.name}/{casedir.SESSION_LOG}, an earlier trial")
-        if warning is None:
-            return status
-        status = {**status, "warnings": [*warned, warning]}
+        status = {**status, "warnings": [*warned, f"an earlier trial of this session: {server.recompile_warning}"]}
         casedir.write_status(self.root.case_dir(trial), status)
         return status
 
@@ -418,11 +417,12 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     try:
         for i, tune in enumerate(tuner.tunes):
             # each case an equal share of the time left (what a case leaves unused goes to the ones after it)
-            share = None if req.time_budget_s is None else \
-                max(0.0, req.time_budget_s - (clock() - started)) / (len(tuner.tunes) - i)
-            if share is not None:
-                tuner.say(f"{tune.case.name}: {share:.0f} s of the time budget (an equal share of the "
-                          f"{max(0.0, req.time_budget_s - (clock() - started)):.0f} s left)")
+            share = None
+            if req.time_budget_s is not None:
+                left = max(0.0, req.time_budget_s - (clock() - started))
+                share = left / (len(tuner.tunes) - i)
+                tuner.say(f"{tune.case.name}: {share:.0f} s of the time budget (an equal share of the {left:.0f} s "
+                          f"left)")
             stop = tuner.tune_case(tune, share)  # every case has its turn, whatever stopped the one before
             stopped = stopped or stop
     except RunInterrupted:
