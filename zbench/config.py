@@ -171,6 +171,10 @@ class ActorConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of the KL loss term
     kl_loss_type: str = "low_var_kl"  # kl (k1), mse (k2), low_var_kl (k3), abs
+    # how the loss averages over tokens: token-mean, every response token of a mini-batch (all ranks) weighs the
+    # same, whatever the micro-batch geometry; micro-token-mean, each micro-batch's own token mean weighs the same
+    # (zbench before 2026-11-25): the loss then moves with the micro-batch size wherever response lengths differ
+    loss_agg: str = "token-mean"
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -187,9 +191,11 @@ class ActorConfig:
             raise ConfigError("clip_ratio_c", f"must be > 1 to enable dual-clip, or 0 to disable; got {self.clip_ratio_c}")
         _positive("kl_loss_coef", self.kl_loss_coef, allow_zero=True)
         _choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
 
 
 KL_KINDS = ("kl", "mse", "low_var_kl", "abs")
+LOSS_AGGS = ("token-mean", "micro-token-mean")  # actor.loss_agg, critic.loss_agg
 ADV_ESTIMATORS = ("gae", "grpo", "rloo")  # zbench.engine.algos.compute_advantages: one branch each
 GROUP_ESTIMATORS = ("grpo", "rloo")  # baselines from the other samples of a prompt: need rollout.n >= 2
 
@@ -204,6 +210,7 @@ class CriticConfig:
     micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank
     forward_micro_batch_size_per_gpu: int = 0  # sequences per gradient-free forward (values); 0 = as above
     cliprange_value: float = 0.5  # value-loss clip around the old values
+    loss_agg: str = "token-mean"  # as actor.loss_agg, for the value loss
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -212,6 +219,7 @@ class CriticConfig:
         _positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
         _positive("forward_micro_batch_size_per_gpu", self.forward_micro_batch_size_per_gpu, allow_zero=True)
         _positive("cliprange_value", self.cliprange_value)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
 
 
 @dataclass(**_FROZEN)
@@ -320,6 +328,10 @@ class TrainerConfig:
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
+    # cut micro-batches from a mini-batch's rows sorted by length, so that each is padded less: always for the
+    # gradient-free passes, for an update only where its loss is the mini-batch's token mean (loss_agg token-mean),
+    # which no grouping changes
+    sort_micro_batches: bool = True
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)
     fault: str = ""  # KIND@STEP injects a fault on the first attempt (crash, hang, oom, worker_exit, node_loss, slow); "" none

@@ -14,10 +14,15 @@ _KL_KINDS = {"k1": "kl", "kl": "kl", "k2": "mse", "mse": "mse", "k3": "low_var_k
              "abs": "abs"}
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over positions where ``mask`` is non-zero (0 where the mask is empty)."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                denom: float | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is non-zero (0 where the mask is empty). With ``denom``, the
+    masked sum over ``denom`` instead of over the mask's count: this micro-batch's share of a mean taken over more
+    tokens than it holds (`token_share`)."""
     # where() rather than x * mask so that inf/nan sitting in padding cannot leak into the sum.
     masked = torch.where(mask != 0, x * mask, torch.zeros_like(x))
+    if denom is not None:
+        return masked.sum() / denom
     if dim is None:
         return masked.sum() / mask.sum().clamp_min(1e-8)
     return masked.sum(dim) / mask.sum(dim).clamp_min(1e-8)
@@ -181,8 +186,10 @@ def policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
+    denom: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate loss, token-mean over the mask; returns ``(pg_loss, pg_clipfrac, ppo_kl)``.
+    """PPO clipped surrogate loss, token-mean over the mask (or its share of a larger mean, ``denom`` as
+    `masked_mean` takes it); returns ``(pg_loss, pg_clipfrac, ppo_kl)``.
 
     The ratio is clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``. With ``clip_ratio_c`` (> 1) the
     dual-clip bound caps the loss of negative-advantage tokens at ``-A * clip_ratio_c``. ``pg_clipfrac`` is the
@@ -192,15 +199,15 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
     log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    ppo_kl = masked_mean(-log_ratio, response_mask, denom=denom)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     losses = torch.maximum(loss_unclipped, loss_clipped)
-    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), response_mask)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), response_mask, denom=denom)
     if clip_ratio_c is not None:
         dual_bound = -advantages * clip_ratio_c
         losses = torch.where(advantages < 0, torch.minimum(losses, dual_bound), losses)
-    return masked_mean(losses, response_mask), pg_clipfrac, ppo_kl
+    return masked_mean(losses, response_mask, denom=denom), pg_clipfrac, ppo_kl
 
 
 def value_loss(
@@ -209,16 +216,18 @@ def value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange_value: float,
+    denom: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss ``0.5 * max((v - R)^2, (v_clipped - R)^2)``, token-mean; returns ``(loss, clipfrac)``.
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_clipped - R)^2)``, token-mean (or its share, ``denom`` as
+    `masked_mean` takes it); returns ``(loss, clipfrac)``.
 
     ``v_clipped`` keeps the new value within ``cliprange_value`` of the value at rollout time.
     """
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     err_unclipped = (values - returns).square()
     err_clipped = (clipped - returns).square()
-    vf_loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), response_mask)
-    vf_clipfrac = masked_mean((err_clipped > err_unclipped).to(values.dtype), response_mask)
+    vf_loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), response_mask, denom=denom)
+    vf_clipfrac = masked_mean((err_clipped > err_unclipped).to(values.dtype), response_mask, denom=denom)
     return vf_loss, vf_clipfrac
 
 

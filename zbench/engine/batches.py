@@ -130,3 +130,37 @@ def forward_batches(batch: Batch, size: int, maskless: bool = False, align: int 
     from the mask without waiting on the GPU."""
     layout = shift_padding_right if maskless else trim_left_padding
     return [layout(mb, align) for mb in micro_batches(batch, size)]
+
+
+def length_order(batch: Batch) -> torch.Tensor:
+    """Row order, longest sequence first (ties in row order): micro-batches cut from rows in this order hold
+    sequences of similar length, so each is padded less (and the first, widest, meets any memory limit first)."""
+    return torch.sort(batch["attention_mask"].sum(1), descending=True, stable=True).indices
+
+
+def mini_batch_tokens(response_mask: torch.Tensor, world: int, rows_per_rank: int) -> torch.Tensor:
+    """For every row of a step's batch, the response tokens of its optimizer step over all ranks. Rank r trains
+    on the r-th of `world` consecutive row blocks (`shard`), cut into mini-batches of `rows_per_rank` rows
+    (`micro_batches`); the k-th mini-batches of all ranks make the k-th optimizer step together."""
+    rows = response_mask.shape[0]
+    step_of_row = (torch.arange(rows) % (rows // world)) // rows_per_rank
+    per_step = torch.zeros(int(step_of_row.max()) + 1, dtype=torch.long).index_add_(0, step_of_row,
+                                                                                   response_mask.sum(1).long())
+    return per_step[step_of_row]
+
+
+def token_share_denominator(step_tokens: int, micro_batches: int, world: int) -> float:
+    """What a micro-batch's masked token sum is divided by so that the optimizer step's gradient is the mean over
+    every response token of the step (`step_tokens`, all ranks), whatever the micro-batch geometry or grouping:
+    DeepSpeed averages the accumulated micro-batches' gradients and then the ranks', which multiplies the sums by
+    1 / (micro_batches x world)."""
+    return step_tokens / (micro_batches * world)
+
+
+def in_row_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Outputs computed for rows taken in `order` (`length_order`), put back in the rows' own order."""
+    if order is None:
+        return rows
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out

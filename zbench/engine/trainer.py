@@ -24,6 +24,7 @@ from zbench.engine import algos
 from zbench.engine.batches import (
     gather,
     left_pad,
+    mini_batch_tokens,
     pick,
     rollout_outputs,
     rollout_shards,
@@ -214,12 +215,14 @@ class Trainer:
                                                 group_ids=group_ids, gamma=cfg.algo.gamma, lam=cfg.algo.lam,
                                                 norm_by_std=cfg.algo.norm_adv_by_std_in_grpo)
             batch.update(advantages=adv, returns=ret)
+        # what a token-mean loss divides by: the response tokens of each row's optimizer step, over all ranks
+        batch["step_tokens"] = mini_batch_tokens(r_mask, dp, self.cfg.batch_plan().mini_batch_sequences // dp)
 
         if self.critic:
             with self._timed("update_critic"):
                 metrics.update(mean_of(self.critic.call_sharded(
-                    "update_critic", shard(pick(batch, *fwd_keys, "values", "returns"), dp))))
-        actor_keys = ((*fwd_keys, "advantages") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
+                    "update_critic", shard(pick(batch, *fwd_keys, "values", "returns", "step_tokens"), dp))))
+        actor_keys = ((*fwd_keys, "advantages", "step_tokens") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
                       + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
         with self._timed("update_actor"):
             outs = self.policy.call_sharded("update_actor", shard(pick(batch, *actor_keys), dp))

@@ -23,7 +23,15 @@ import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload
 from zbench.engine import algos, lm_head
-from zbench.engine.batches import Batch, forward_batches, forward_micro, micro_batches
+from zbench.engine.batches import (
+    Batch,
+    forward_batches,
+    forward_micro,
+    in_row_order,
+    length_order,
+    micro_batches,
+    token_share_denominator,
+)
 from zbench.engine.cluster import free_port, join_process_group
 from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import StepProfiler
@@ -342,22 +350,42 @@ class _Worker:
                                                                            if p.requires_grad], config=ds_config)
         return engine
 
-    def _train(self, batch: Batch, micro: int,
-               loss_fn: Callable[[Batch, dict[str, list[torch.Tensor]]], torch.Tensor]) -> dict[str, float]:
+    def _train(self, batch: Batch, micro: int, loss_agg: str,
+               loss_fn: Callable[[Batch, dict[str, list[torch.Tensor]], float | None], torch.Tensor],
+               ) -> tuple[dict[str, float], list[torch.Tensor | None]]:
         """ppo_epochs passes over this rank's batch in mini-batches (one optimizer step each, DeepSpeed
-        accumulating the micro-batches); returns the mean of every recorded statistic, grad norm and lr.
+        accumulating the micro-batches); returns the mean of every recorded statistic, grad norm and lr, and each
+        mini-batch's row order (`length_order`, or None where its rows kept theirs).
+
+        `loss_fn(micro_batch, stats, denom)` averages over tokens as `algos.masked_mean` does with `denom`: None
+        (`loss_agg` micro-token-mean) is the micro-batch's own token mean; under token-mean it is the
+        `token_share_denominator` of the optimizer step's response tokens (the batch's `step_tokens`, from the
+        trainer's `mini_batch_tokens`), so every token of the step weighs the same and the micro-batches may be cut
+        from rows sorted by length. Statistics recorded that way average, over micro-batches and ranks, to the
+        step's token mean.
 
         Statistics stay on the device until the end: a `.item()` per micro-batch would make the host wait for
         the GPU each time, so it could never queue the next micro-batch's kernels while the last ones run."""
         plan = self.cfg.batch_plan()
         self.engine.train()
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        minis = [self._forward_batches(mini, micro)
-                 for mini in micro_batches(batch, plan.mini_batch_sequences // self.world_size)]
+        token_mean = loss_agg == "token-mean"
+        minis: list[tuple[list[Batch], torch.Tensor | None, float | None]] = []
+        for mini in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
+            step_tokens = mini.pop("step_tokens", None)
+            micro_batches_, order = self._forward_batches(mini, micro, sort=token_mean)
+            denom = None
+            if token_mean:
+                if step_tokens is None and self.world_size > 1:
+                    raise ValueError("a token-mean update on several ranks needs the batch's step_tokens "
+                                     "(zbench.engine.batches.mini_batch_tokens)")
+                tokens = int(step_tokens[0]) if step_tokens is not None else int(mini["response_mask"].sum())
+                denom = token_share_denominator(tokens, len(micro_batches_), self.world_size)
+            minis.append((micro_batches_, order, denom))
         for _ in range(self.cfg.actor.ppo_epochs):
-            for mini_batch in minis:
-                for mb in mini_batch:
-                    self.engine.backward(loss_fn(mb, stats))
+            for micro_batches_, _order, denom in minis:
+                for mb in micro_batches_:
+                    self.engine.backward(loss_fn(mb, stats, denom))
                     self.engine.step()
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
@@ -365,7 +393,7 @@ class _Worker:
         out = {k: float(torch.stack([t.detach().float().cpu() for t in v]).mean()) for k, v in stats.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0]
         self.sample_device_memory()
-        return out
+        return out, [order for _, order, _ in minis]
 
     def optimizer_name(self) -> str:
         """The optimizer that steps the parameters, inside DeepSpeed's ZeRO wrapper (e.g. DeepSpeedCPUAdam)."""
@@ -411,12 +439,17 @@ class _Worker:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _forward_batches(self, batch: Batch, size: int) -> list[Batch]:
+    def _forward_batches(self, batch: Batch, size: int, sort: bool = True) -> tuple[list[Batch], torch.Tensor | None]:
         """This rank's (host) batch as device micro-batches of `size` rows, laid out as `model.maskless_attention`
-        says (`forward_batches`)."""
+        says (`forward_batches`). With `sort` and `trainer.sort_micro_batches`, cut from the rows in
+        `length_order`, which is returned (else None) so that outputs can be put back `in_row_order`."""
+        order = length_order(batch) if sort and self.cfg.trainer.sort_micro_batches else None
+        if order is not None:
+            batch = {k: v[order] for k, v in batch.items()}
         # compiled layers specialise on whether the width is a multiple of 8: always one, so they compile once
         align = 8 if self.compiled_layers else 1
-        return [self._to_device(mb) for mb in forward_batches(batch, size, self.cfg.model.maskless_attention, align)]
+        mbs = forward_batches(batch, size, self.cfg.model.maskless_attention, align)
+        return [self._to_device(mb) for mb in mbs], order
 
 
 class PolicyWorker(_Worker):
@@ -532,8 +565,10 @@ class PolicyWorker(_Worker):
 
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
-        outs = [self._logprobs(model, mb)[0] for mb in self._forward_batches(batch, forward_micro(self.cfg.actor))]
-        return {key: torch.cat(outs).cpu()}  # one copy to the host: no wait for the GPU between micro-batches
+        mbs, order = self._forward_batches(batch, forward_micro(self.cfg.actor))
+        outs = [self._logprobs(model, mb)[0] for mb in mbs]
+        # one copy to the host: no wait for the GPU between micro-batches
+        return {key: in_row_order(torch.cat(outs).cpu(), order)}
 
     @phase("old_log_prob")
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -560,18 +595,18 @@ class PolicyWorker(_Worker):
             raise ValueError("update_actor needs old_log_probs unless it runs one epoch of one mini-batch")
         own: list[torch.Tensor] = []
 
-        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
             mask = mb["response_mask"]
             logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
             if reused:
                 own.append(logp.detach())
             pg_loss, clipfrac, ppo_kl = algos.policy_loss(
                 own[-1] if reused else mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
-                a.clip_ratio_high, a.clip_ratio_c or None)
-            entropy = algos.masked_mean(ent, mask)
+                a.clip_ratio_high, a.clip_ratio_c or None, denom=denom)
+            entropy = algos.masked_mean(ent, mask, denom=denom)
             loss = pg_loss - a.entropy_coeff * entropy
             if a.use_kl_loss:
-                kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask)
+                kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask, denom=denom)
                 loss = loss + a.kl_loss_coef * kl
                 stats["actor/kl_loss"].append(kl.detach())
             stats["actor/pg_loss"].append(pg_loss.detach())
@@ -580,9 +615,10 @@ class PolicyWorker(_Worker):
             stats["actor/entropy"].append(entropy.detach())
             return loss
 
-        out: dict[str, Any] = self._train(batch, a.micro_batch_size_per_gpu, loss_fn)
-        if reused:
-            out["old_log_probs"] = torch.cat(own).float().cpu()
+        out: dict[str, Any]
+        out, orders = self._train(batch, a.micro_batch_size_per_gpu, a.loss_agg, loss_fn)
+        if reused:  # one mini-batch: its rows' order
+            out["old_log_probs"] = in_row_order(torch.cat(own).float().cpu(), orders[0])
         return out
 
     @phase("update_weights")
@@ -629,19 +665,20 @@ class CriticWorker(_Worker):
     def compute_values(self, batch: Batch) -> Batch:
         """V(s_t) for every response token."""
         self.engine.eval()
-        outs = [self._values(mb) for mb in self._forward_batches(batch, forward_micro(self.cfg.critic))]
-        return {"values": torch.cat(outs).cpu()}  # one copy to the host, as in the actor's passes
+        mbs, order = self._forward_batches(batch, forward_micro(self.cfg.critic))
+        outs = [self._values(mb) for mb in mbs]
+        return {"values": in_row_order(torch.cat(outs).cpu(), order)}  # one copy to the host, as the actor's passes
 
     @phase("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
         c = self.cfg.critic
 
-        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
             vf_loss, clipfrac = algos.value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
-                                                 c.cliprange_value)
+                                                 c.cliprange_value, denom=denom)
             stats["critic/vf_loss"].append(vf_loss.detach())
             stats["critic/vf_clipfrac"].append(clipfrac.detach())
             return vf_loss
 
-        return self._train(batch, c.micro_batch_size_per_gpu, loss_fn)
+        return self._train(batch, c.micro_batch_size_per_gpu, c.loss_agg, loss_fn)[0]
