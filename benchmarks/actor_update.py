@@ -112,7 +112,7 @@ def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_pa
         worker.profile_start()
         worker.update_actor(batch)
         phases = worker.profiler.stop(Path(args.profile_dir), name, f"actor update, {name}, {args.model}")
-        out["profile"] = [{"phase": p.name, "wall_ms": round(p.wall_ms, 1), "busy_share": round(p.busy_share, 3)}
+        out["profile"] = [{"phase": p.phase, "wall_ms": round(p.wall_ms, 1), "busy_share": round(p.busy_share, 3)}
                           for p in phases]
     worker.engine.destroy()  # the process group stays for the next variant (DeepSpeed keeps its groups)
     del worker

@@ -114,3 +114,21 @@ def test_two_ranks_step_alike_at_any_micro_batch(tmp_path: Path):
     assert one["response_length/max"] > one["response_length/mean"]  # of uneven lengths: the means could differ
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
         assert one[key] == pytest.approx(four[key], rel=1e-4, abs=1e-6), key
+
+
+def test_sorted_forward_passes_return_rows_in_order():
+    """The gradient-free passes sort too (always exact): old and reference log-probs come back in the rows' order,
+    as the unsorted passes give them, at a forward micro-batch that cuts the rows in three."""
+    model_path = str(resolve_model("tiny"))
+    batch = _batch(pad_id=0)
+    outs = []
+    for sort in (False, True):
+        raw = _cfg(actor={"forward_micro_batch_size_per_gpu": 3}, trainer={"sort_micro_batches": sort})
+        worker = PolicyWorker(from_dict(raw), 0, 1, tempfile.mkdtemp(prefix="zbench-agg-"), model_path)
+        worker.join("127.0.0.1", free_port())
+        worker.setup()
+        outs.append({**worker.compute_log_prob(batch), **worker.compute_ref_log_prob(batch)})
+    assert not torch.equal(length_order(batch), torch.arange(8))  # the sorted pass did reorder them
+    for key in ("old_log_probs", "ref_log_probs"):
+        assert torch.allclose(outs[0][key], outs[1][key], atol=1e-5), key
+        assert outs[0][key].abs().sum() > 0
