@@ -30,6 +30,7 @@ def _batch() -> dict[str, torch.Tensor]:
     responses = torch.randint(3, 90, (6, 5), generator=g)
     r_mask = torch.ones_like(responses)
     r_mask[2, 3:] = 0  # an early EOS: trailing padding inside the response
+    r_mask[5, 2:] = 0  # the longest prompt of rows 3-5, with a short response: their layout is narrower
     return sequence_batch(p_ids, p_mask, responses, r_mask)
 
 
@@ -67,14 +68,21 @@ def test_shift_padding_right_moves_each_rows_padding_behind_its_tokens():
         out = shift_padding_right(mb)
         assert set(out) == {"input_ids", "hidden_index", "responses", "response_mask"}
         lengths = mb["attention_mask"][:, :prompt_width].sum(1)
-        assert out["input_ids"].shape[1] == int(lengths.max()) + 5  # the micro-batch's longest row, no more
+        rows = lengths + mb["response_mask"].sum(1)  # prompt and response up to its EOS
+        width = out["input_ids"].shape[1]
+        assert width == int(rows.max())  # the micro-batch's longest row, no more
         for row in range(3):
-            n = int(lengths[row])
-            tokens = mb["input_ids"][row, prompt_width - n :]  # the prompt, then the whole response (5 columns)
-            assert torch.equal(out["input_ids"][row, : n + 5], tokens)
+            n, r = int(lengths[row]), int(rows[row])
+            tokens = mb["input_ids"][row, prompt_width - n :][: width]  # the prompt, then the response
+            assert torch.equal(out["input_ids"][row, : min(n + 5, width)], tokens)
             assert not out["input_ids"][row, n + 5 :].ne(0).any()  # the rest is the row's own padding (id 0)
-            # the last prompt token, then each response token: the columns that score the response
-            assert out["hidden_index"][row].tolist() == list(range(n - 1, n + 5))
+            # the last prompt token, then each response token: the columns that score the response; after the
+            # row's end they point inside the micro-batch (masked out of everything)
+            index = out["hidden_index"][row].tolist()
+            assert index[: r - n + 1] == list(range(n - 1, r))
+            assert max(index) <= width - 1
+    # rows 3-5: row 5's 16-token prompt and 2-token response, not 16 + the response columns' 5
+    assert shift_padding_right(micro_batches(batch, 3)[1])["input_ids"].shape[1] == 16 + 2
 
 
 def _tiny_pair(head: str) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -10,20 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_case import make_case, records, train
 from test_old_log_prob import _batch, _cfg
 
 from zbench.config import ConfigError, from_dict
 from zbench.engine.batches import (
     in_row_order,
+    left_pad,
     length_order,
     micro_batches,
     mini_batch_tokens,
+    sequence_batch,
     shard,
     token_share_denominator,
 )
 from zbench.engine.cluster import free_port
-from zbench.engine.workers import PolicyWorker
+from zbench.engine.workers import CriticWorker, PolicyWorker
 from zbench.models import resolve_model
 
 
@@ -43,10 +44,13 @@ def test_mini_batch_tokens_follow_the_ranks_mini_batches():
 
 
 def test_length_order_and_back():
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]])
-    order = length_order({"attention_mask": mask})
-    assert order.tolist() == [1, 3, 0, 2]  # longest first, ties in row order
+    """Longest first, by what sets a layout's width: prompt and response tokens (maskless), or the prompt alone."""
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    batch = {"attention_mask": mask, "responses": torch.zeros(4, 2)}
+    assert length_order(batch).tolist() == [1, 3, 0, 2]  # ties in row order
+    assert length_order(batch, maskless=False).tolist() == [1, 0, 3, 2]  # prompts of 3, 2, 2, 1 tokens
     rows = torch.arange(4.0)[:, None] * 10
+    order = length_order(batch)
     assert torch.equal(in_row_order(rows[order], order), rows)
     assert in_row_order(rows, None) is rows
 
@@ -100,20 +104,90 @@ def test_loss_agg_is_checked():
         from_dict({"critic": {"loss_agg": "mean"}})
 
 
-def test_two_ranks_step_alike_at_any_micro_batch(tmp_path: Path):
-    """PPO on two ranks (DeepSpeed averaging their gradients), one step: actor and critic micro-batches of 1 and of 4
-    sequences give the same losses and gradient norms, the step's token means over both ranks."""
+def _rank_update(rank: int, world: int, raw: dict, batch: dict[str, torch.Tensor], port: int, out: str) -> None:
+    """One rank of a token-mean actor update in its own process (a gloo group of `world` ranks): its statistics and
+    weights into `out`."""
+    worker = PolicyWorker(from_dict(raw), rank, world, tempfile.mkdtemp(prefix="zbench-agg-"), str(resolve_model("tiny")))
+    worker.join("127.0.0.1", port)
+    worker.setup()
+    stats = worker.update_actor(batch)
+    torch.save({"stats": {k: v for k, v in stats.items() if not torch.is_tensor(v)},
+                "params": [p.detach().clone() for p in worker.engine.module.parameters()]}, out)
+    worker.shutdown()
+
+
+def _ranks(world: int, raw: dict, shards: list[dict[str, torch.Tensor]], tmp: Path) -> tuple[dict, list[torch.Tensor]]:
+    """The ranks' mean statistics (as the trainer averages them) and rank 0's weights."""
+    import torch.multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), free_port("127.0.0.1")
+    outs = [str(tmp / f"w{world}-rank{r}.pt") for r in range(world)]
+    procs = [ctx.Process(target=_rank_update, args=(r, world, raw, shards[r], port, outs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0, f"rank process exited {p.exitcode}"
+    loaded = [torch.load(o) for o in outs]
+    stats = {k: sum(r["stats"][k] for r in loaded) / world for k in loaded[0]["stats"]}
+    return stats, loaded[0]["params"]
+
+
+def test_two_ranks_make_the_one_rank_update(tmp_path: Path):
+    """Two ranks (DeepSpeed averaging their gradients over gloo), two mini-batches of uneven token counts, two
+    epochs, KL loss and entropy, micro-batches of one sequence cut from sorted rows: the same statistics and weights
+    as one rank given each optimizer step's rows of both ranks as one micro-batch."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in torch.randint(2, 14, (16,), generator=g)]
+    p_ids, p_mask = left_pad(prompts, 0)
+    responses = torch.randint(3, 90, (16, 7), generator=g)
+    r_mask = (torch.arange(7)[None] < torch.randint(1, 8, (16, 1), generator=g)).long()
+    batch = sequence_batch(p_ids, p_mask, responses, r_mask)
+    batch.update(advantages=torch.randn(16, 7, generator=g) * r_mask, ref_log_probs=-torch.rand(16, 7, generator=g) * 3,
+                 old_log_probs=-torch.rand(16, 7, generator=g) * 3)
+
+    def raw(world: int, micro: int) -> dict:
+        return {"algorithm": "grpo", "rollout": {"n": 4}, "model": {"dtype": "fp32"},
+                "trainer": {"world_size": world, "train_batch_size": 4, "device": "cpu"},
+                "actor": {"ppo_mini_batch_size": 2, "micro_batch_size_per_gpu": micro, "lr": 1e-3, "ppo_epochs": 2,
+                          "use_kl_loss": True, "entropy_coeff": 0.01}}
+
+    two = dict(batch, step_tokens=mini_batch_tokens(r_mask, world=2, rows_per_rank=4))
+    assert two["step_tokens"][0] != two["step_tokens"][4]  # the two optimizer steps hold different token counts
+    # one rank: step k's rows of rank 0 then of rank 1 (rank r holds rows 8r..8r+7, its step k rows 8r+4k..8r+4k+3)
+    steps = torch.cat([torch.arange(8 * r + 4 * k, 8 * r + 4 * k + 4) for k in range(2) for r in range(2)])
+    ref_stats, ref_params = _ranks(1, raw(1, 8), [{k: v[steps] for k, v in batch.items()}], tmp_path)
+    stats, params = _ranks(2, raw(2, 1), shard(two, 2), tmp_path)
+    assert ref_stats["actor/grad_norm"] > 0
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
+                "actor/grad_norm"):
+        assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), key
+    assert _moved_apart(params, ref_params) < 1e-3
+
+
+def test_critic_update_does_not_depend_on_micro_batches():
+    """The value loss likewise: one PPO critic update at micro-batches of 1 (rows sorted) and of 8, and its values
+    pass (sorted) returns the rows in order."""
+    model_path = str(resolve_model("tiny"))
+    batch = _batch(pad_id=0)
+    g = torch.Generator().manual_seed(4)
+    batch.update(values=torch.randn(8, 6, generator=g) * batch["response_mask"],
+                 returns=torch.randn(8, 6, generator=g) * batch["response_mask"])
     runs = []
-    for micro in (1, 4):
-        case = make_case(tmp_path, f"micro{micro}", steps=1, algorithm="ppo", zero__stage=2,
-                         actor__micro_batch_size_per_gpu=micro, critic__micro_batch_size_per_gpu=micro)
-        train(case, timeout=600)
-        runs.append(records(case)[0])
-    one, four = runs
-    assert one["response_length/mean"] == four["response_length/mean"]  # the same samples
-    assert one["response_length/max"] > one["response_length/mean"]  # of uneven lengths: the means could differ
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
-        assert one[key] == pytest.approx(four[key], rel=1e-4, abs=1e-6), key
+    for micro, sort in ((8, False), (1, True)):
+        raw = {"algorithm": "ppo", "model": {"dtype": "fp32"}, "trainer": {"world_size": 1, "train_batch_size": 8,
+                                                                          "device": "cpu", "sort_micro_batches": sort},
+               "actor": {"ppo_mini_batch_size": 8}, "critic": {"micro_batch_size_per_gpu": micro, "lr": 1e-3}}
+        worker = CriticWorker(from_dict(raw), 0, 1, tempfile.mkdtemp(prefix="zbench-agg-"), model_path)
+        worker.join("127.0.0.1", free_port())
+        worker.setup()
+        values = worker.compute_values(batch)["values"]
+        runs.append((values, worker.update_critic(batch)))
+    (values8, stats8), (values1, stats1) = runs
+    assert torch.allclose(values1, values8, atol=1e-5) and values8.abs().sum() > 0
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
+        assert stats1[key] == pytest.approx(stats8[key], rel=1e-4, abs=1e-6), key
+    assert stats8["critic/grad_norm"] > 0
 
 
 def test_sorted_forward_passes_return_rows_in_order():

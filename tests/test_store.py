@@ -284,8 +284,9 @@ def test_a_summary_from_before_a_later_column_still_reads(tmp_path: Path) -> Non
 
 
 def test_config_hash_ignores_formatting_and_keys_added_later() -> None:
-    """A case config written before a key existed (so at its default) hashes like today's; a real change does
-    not; text the schema no longer accepts is hashed as written."""
+    """A case config written before a key existed hashes like today's with that key at the behaviour it ran with
+    (its default, or `INTRODUCED_KEYS`' value); a real change does not; text the schema no longer accepts is hashed
+    as written."""
     import yaml
 
     from zbench.config import dump_yaml, from_dict
@@ -298,3 +299,11 @@ def test_config_hash_ignores_formatting_and_keys_added_later() -> None:
     changed["zero"]["stage"] = 2
     assert summary.config_hash(yaml.safe_dump(changed)) != summary.config_hash(full)
     assert summary.config_hash("zero: {stage: 9}") != summary.config_hash("zero: {stage: 8}")
+    # a key whose default changed what a case does (the loss's token mean): a config written before it hashes as
+    # what it ran, so a rerun at today's default does not merge with it
+    before = yaml.safe_load(full)
+    del before["actor"]["loss_agg"], before["critic"]["loss_agg"], before["trainer"]["sort_micro_batches"]
+    legacy = dump_yaml(from_dict({"name": "c", "zero": {"stage": 3}, "actor": {"loss_agg": "micro-token-mean"},
+                                  "critic": {"loss_agg": "micro-token-mean"},
+                                  "trainer": {"sort_micro_batches": False}}))
+    assert summary.config_hash(yaml.safe_dump(before)) == summary.config_hash(legacy) != summary.config_hash(full)

@@ -7,6 +7,7 @@ so any case can be rerun alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -603,6 +604,26 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
+# Keys added after runs were recorded without them, with the value that reproduces what those runs did: a case's
+# config.yaml (always written whole) that lacks one was written before it existed, and reads, reruns, resumes and
+# hashes as what it ran, not as today's default.
+INTRODUCED_KEYS: dict[str, Any] = {
+    "actor.loss_agg": "micro-token-mean",
+    "critic.loss_agg": "micro-token-mean",
+    "trainer.sort_micro_batches": False,
+}
+
+
+def as_recorded(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded case config (`<case>/config.yaml`) with every `INTRODUCED_KEYS` key it lacks set to the value it
+    ran with (a deep copy: `data` is not changed)."""
+    out = copy.deepcopy(dict(data))
+    for key, value in INTRODUCED_KEYS.items():
+        if not has_dotted(out, key):
+            set_dotted(out, key, value)
+    return out
+
+
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {data!r}")
@@ -666,10 +687,12 @@ def read_yaml(path: str | Path) -> Any:
 
 def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
     """Read `<case>/config.yaml` (or any file in that form). With `complete`, every key must be in the file, as
-    zbench writes it: a truncated file is an error naming the keys it lacks, never filled with defaults."""
+    zbench writes it: a truncated file is an error naming the keys it lacks, never filled with defaults. Keys zbench
+    added since the file was written (`INTRODUCED_KEYS`) read as the behaviour it was written under."""
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
+    data = as_recorded(data)
     missing = [k for k in dotted_keys() if not has_dotted(data, k)] if complete else []
     try:
         cfg = from_dict(data, str(path))

@@ -22,6 +22,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
     # where() rather than x * mask so that inf/nan sitting in padding cannot leak into the sum.
     masked = torch.where(mask != 0, x * mask, torch.zeros_like(x))
     if denom is not None:
+        if dim is not None:
+            raise ValueError("masked_mean takes a denom for the whole tensor's mean, not with dim")
         return masked.sum() / denom
     if dim is None:
         return masked.sum() / mask.sum().clamp_min(1e-8)

@@ -94,27 +94,30 @@ def trim_left_padding(mb: Batch, align: int = 1) -> Batch:
 
 
 def shift_padding_right(mb: Batch, align: int = 1) -> Batch:
-    """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and drop the
-    columns that are padding in every row, so that a forward needs no padding mask: with causal attention no
-    token sees a later column, so trailing padding is never attended. Attention then runs with the causal flag
-    alone (SDPA's flash kernels) instead of a dense mask, and positions are 0, 1, ... in every row, as the
-    masked layout's were for its tokens.
+    """Move each row's left padding behind its tokens (`[pad pad p p r r]` -> `[p p r r pad pad]`) and keep only as
+    many columns as the micro-batch's longest row has tokens (prompt and response up to its EOS), so that a forward
+    needs no padding mask: with causal attention no token sees a later column, so trailing padding is never
+    attended. Attention then runs with the causal flag alone (SDPA's flash kernels) instead of a dense mask, and
+    positions are 0, 1, ... in every row, as the masked layout's were for its tokens.
 
     The mask and positions are replaced by `hidden_index` [rows, R + 1] (R = response width): where the last
     R + 1 columns of the left-padded layout, the last prompt token and the response, now sit in each row. Those
-    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there. With
-    `align`, the width is rounded up to a multiple of it: the extra columns come after every row's tokens, where
-    causal attention never reads them and no kept position lies."""
+    are the only positions whose outputs score a response; `model_outputs` keeps the hidden states there.
+    Positions after a row's last response token (masked out of every loss and statistic) point at the last kept
+    column. With `align`, the width is rounded up to a multiple of it: the extra columns come after every row's
+    tokens, where causal attention never reads them."""
     mask, responses = mb["attention_mask"], mb["responses"]
     width, resp = mask.shape[1], responses.shape[1]
     prompt_width = width - resp
     prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
     pad = prompt_width - prompt_len
-    keep = _aligned(width - int(pad.min()), align)
+    tokens = prompt_len + mb["response_mask"].sum(1)  # responses are right-padded after their EOS
+    keep = _aligned(int(tokens.max()), align)
     cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
     out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
     out["input_ids"] = mb["input_ids"].gather(1, cols)
-    out["hidden_index"] = prompt_len[:, None] - 1 + torch.arange(resp + 1, device=mask.device)[None]
+    index = prompt_len[:, None] - 1 + torch.arange(resp + 1, device=mask.device)[None]
+    out["hidden_index"] = index.clamp_max(keep - 1)
     return out
 
 
@@ -132,10 +135,15 @@ def forward_batches(batch: Batch, size: int, maskless: bool = False, align: int 
     return [layout(mb, align) for mb in micro_batches(batch, size)]
 
 
-def length_order(batch: Batch) -> torch.Tensor:
-    """Row order, longest sequence first (ties in row order): micro-batches cut from rows in this order hold
-    sequences of similar length, so each is padded less (and the first, widest, meets any memory limit first)."""
-    return torch.sort(batch["attention_mask"].sum(1), descending=True, stable=True).indices
+def length_order(batch: Batch, maskless: bool = True) -> torch.Tensor:
+    """Row order, longest first (ties in row order), by what sets a micro-batch's width in its layout: the tokens
+    of prompt and response (`shift_padding_right`), or the prompt alone (`trim_left_padding`, which keeps every
+    response column). Micro-batches cut from rows in this order hold rows of similar width, so each is padded less,
+    and the first is the widest."""
+    mask = batch["attention_mask"]
+    if not maskless:
+        mask = mask[:, : mask.shape[1] - batch["responses"].shape[1]]
+    return torch.sort(mask.sum(1), descending=True, stable=True).indices
 
 
 def mini_batch_tokens(response_mask: torch.Tensor, world: int, rows_per_rank: int) -> torch.Tensor:

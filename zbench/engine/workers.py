@@ -103,6 +103,12 @@ def zero3_leaf_layers(model: torch.nn.Module, layers: torch.nn.ModuleList) -> in
     return len(marked)
 
 
+def on_response(x: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Per-token outputs [rows, R] with 0 after each response's end: what a layout computes there (padding, or in
+    `shift_padding_right`'s the last kept column again) depends on the micro-batch, and nothing may read it."""
+    return torch.where(mb["response_mask"].bool(), x, torch.zeros_like(x))
+
+
 def model_outputs(model: Any, mb: Batch, **kwargs: Any) -> Any:
     """`model` (a Hugging Face model, or a DeepSpeed engine around one) on a micro-batch of `forward_batches`.
 
@@ -374,13 +380,18 @@ class _Worker:
         for mini in micro_batches(batch, plan.mini_batch_sequences // self.world_size):
             step_tokens = mini.pop("step_tokens", None)
             micro_batches_, order = self._forward_batches(mini, micro, sort=token_mean)
+            if len(micro_batches_) != self.engine.gradient_accumulation_steps():  # DeepSpeed divides by its own count
+                raise ValueError(f"a mini-batch of {len(micro_batches_)} micro-batches, but DeepSpeed accumulates "
+                                 f"{self.engine.gradient_accumulation_steps()}: the batch does not fill the batch plan")
             denom = None
             if token_mean:
                 if step_tokens is None and self.world_size > 1:
                     raise ValueError("a token-mean update on several ranks needs the batch's step_tokens "
                                      "(zbench.engine.batches.mini_batch_tokens)")
+                if step_tokens is not None and not bool((step_tokens == step_tokens[0]).all()):
+                    raise ValueError("step_tokens differ within one mini-batch: they must be its step's token count")
                 tokens = int(step_tokens[0]) if step_tokens is not None else int(mini["response_mask"].sum())
-                denom = token_share_denominator(tokens, len(micro_batches_), self.world_size)
+                denom = token_share_denominator(max(tokens, 1), len(micro_batches_), self.world_size)
             minis.append((micro_batches_, order, denom))
         for _ in range(self.cfg.actor.ppo_epochs):
             for micro_batches_, _order, denom in minis:
@@ -443,12 +454,13 @@ class _Worker:
         """This rank's (host) batch as device micro-batches of `size` rows, laid out as `model.maskless_attention`
         says (`forward_batches`). With `sort` and `trainer.sort_micro_batches`, cut from the rows in
         `length_order`, which is returned (else None) so that outputs can be put back `in_row_order`."""
-        order = length_order(batch) if sort and self.cfg.trainer.sort_micro_batches else None
+        maskless = self.cfg.model.maskless_attention
+        order = length_order(batch, maskless) if sort and self.cfg.trainer.sort_micro_batches else None
         if order is not None:
             batch = {k: v[order] for k, v in batch.items()}
         # compiled layers specialise on whether the width is a multiple of 8: always one, so they compile once
         align = 8 if self.compiled_layers else 1
-        mbs = forward_batches(batch, size, self.cfg.model.maskless_attention, align)
+        mbs = forward_batches(batch, size, maskless, align)
         return [self._to_device(mb) for mb in mbs], order
 
 
@@ -566,7 +578,7 @@ class PolicyWorker(_Worker):
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
         mbs, order = self._forward_batches(batch, forward_micro(self.cfg.actor))
-        outs = [self._logprobs(model, mb)[0] for mb in mbs]
+        outs = [on_response(self._logprobs(model, mb)[0], mb) for mb in mbs]
         # one copy to the host: no wait for the GPU between micro-batches
         return {key: in_row_order(torch.cat(outs).cpu(), order)}
 
@@ -599,7 +611,7 @@ class PolicyWorker(_Worker):
             mask = mb["response_mask"]
             logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
             if reused:
-                own.append(logp.detach())
+                own.append(on_response(logp.detach(), mb))
             pg_loss, clipfrac, ppo_kl = algos.policy_loss(
                 own[-1] if reused else mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
                 a.clip_ratio_high, a.clip_ratio_c or None, denom=denom)

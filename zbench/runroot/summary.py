@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from zbench.config import ConfigError, RunConfig, dump_yaml, from_dict, load_case_config
+from zbench.config import ConfigError, RunConfig, as_recorded, dump_yaml, from_dict, load_case_config
 from zbench.runroot import casedir
 from zbench.runroot.casedir import RunRootError
 
@@ -50,11 +50,12 @@ def steady_records(records: Sequence[Mapping[str, Any]], start: int = STEADY_FRO
 def config_hash(text: str) -> str:
     """sha256 of a case's config, first 12 hex characters.
 
-    The config is read through the current schema first, so formatting, key order and keys added to zbench later
-    (present at their defaults) do not change the hash: a rerun with a newer zbench still merges with the first
-    run when it ran the same case. A config the schema no longer accepts is hashed as written."""
+    The config is read through the current schema first, as a recorded config (`as_recorded`: a key added to
+    zbench later reads as the behaviour the config ran with), so formatting, key order and later keys do not change
+    the hash: a rerun with a newer zbench still merges with the first run when it ran the same case, and not when
+    a new default changed what the case does. A config the schema no longer accepts is hashed as written."""
     try:
-        canonical = dump_yaml(from_dict(yaml.safe_load(text) or {}))
+        canonical = dump_yaml(from_dict(as_recorded(yaml.safe_load(text) or {})))
     except (ConfigError, yaml.YAMLError, TypeError, ValueError, AttributeError):
         canonical = text
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
