@@ -207,3 +207,15 @@ def test_forward_micro_batch_size_is_validated():
     assert from_dict({"actor": {"forward_micro_batch_size_per_gpu": 16}}).actor.forward_micro_batch_size_per_gpu == 16
     with pytest.raises(ConfigError, match="forward_micro_batch_size_per_gpu"):
         from_dict({"critic": {"forward_micro_batch_size_per_gpu": -1}})
+
+
+def test_shift_padding_right_keeps_up_to_each_rows_last_response_token():
+    """A micro-batch is as wide as its rows reach: to the last response token the mask holds, even were the mask to
+    have a hole (no producer makes one), so no scored position is ever cut off."""
+    batch = _batch()
+    mb = micro_batches(batch, 3)[1]  # rows 3-5: prompts of 9, 5 and 16 tokens; row 5's response ends after 2
+    mb["response_mask"] = mb["response_mask"].clone()
+    mb["response_mask"][2] = torch.tensor([1, 0, 0, 1, 0])  # row 5 scores response tokens 1 and 4
+    out = shift_padding_right(mb)
+    assert out["input_ids"].shape[1] == 16 + 4
+    assert out["hidden_index"][2].tolist()[:5] == list(range(15, 20))  # every scored position in place

@@ -191,6 +191,23 @@ def test_runner_workers_fill_in_below_a_matrix_that_sets_its_own(tmp_path: Path)
     assert res.stdout.splitlines() == ["one\ttrainer.world_size=1", "plain\ttrainer.world_size=2 zero.stage=2"]
 
 
+def test_a_config_holding_part_of_a_later_group_is_incomplete(tmp_path: Path) -> None:
+    """The keys that changed the loss came together: a config.yaml with none of them ran the old loss, one with
+    some of them is truncated or edited, and a complete read names what it lacks instead of guessing."""
+    import yaml
+
+    full = yaml.safe_load(dump_yaml(from_dict({})))
+    for section, key in (("actor", "loss_agg"), ("critic", "loss_agg"), ("trainer", "sort_micro_batches")):
+        del full[section][key]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(full))
+    assert load_case_config(path, complete=True).critic.loss_agg == "micro-token-mean"
+    full["actor"]["loss_agg"] = "token-mean"
+    path.write_text(yaml.safe_dump(full))
+    with pytest.raises(ConfigError, match=r"lacks critic\.loss_agg, trainer\.sort_micro_batches"):
+        load_case_config(path, complete=True)
+
+
 def test_committed_run_roots_stay_readable() -> None:
     """Every config.yaml under results/reference/ loads with today's schema (keys added since sit at their defaults,
     or at the behaviour the run had where a new default changed it; a retired key is accepted only at the value whose

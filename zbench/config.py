@@ -604,23 +604,24 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
-# Keys added after runs were recorded without them, with the value that reproduces what those runs did: a case's
-# config.yaml (always written whole) that lacks one was written before it existed, and reads, reruns, resumes and
-# hashes as what it ran, not as today's default.
-INTRODUCED_KEYS: dict[str, Any] = {
-    "actor.loss_agg": "micro-token-mean",
-    "critic.loss_agg": "micro-token-mean",
-    "trainer.sort_micro_batches": False,
-}
+# Keys added together after runs were recorded without them, whose defaults changed what a case computes, with the
+# values that reproduce what those runs did: a case's config.yaml (always written whole) that lacks all of one group
+# was written before it existed, and reads, reruns, resumes and hashes as what it ran, not as today's default. (Keys
+# that only made a case faster sit at their defaults, as any later code change does.)
+INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
+    {"actor.loss_agg": "micro-token-mean", "critic.loss_agg": "micro-token-mean", "trainer.sort_micro_batches": False},
+)
 
 
-def as_recorded(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A recorded case config (`<case>/config.yaml`) with every `INTRODUCED_KEYS` key it lacks set to the value it
-    ran with (a deep copy: `data` is not changed)."""
+def as_recorded(data: Mapping[str, Any], source: str | None = None) -> dict[str, Any]:
+    """A recorded case config (`<case>/config.yaml`) with each `INTRODUCED_KEYS` group it lacks entirely set to the
+    values it ran with (a deep copy: `data` is not changed). A group present in part is left alone: a complete read
+    names the missing keys."""
     out = copy.deepcopy(dict(data))
-    for key, value in INTRODUCED_KEYS.items():
-        if not has_dotted(out, key):
-            set_dotted(out, key, value)
+    for group in INTRODUCED_KEYS:
+        if not any(has_dotted(out, key) for key in group):
+            for key, value in group.items():
+                set_dotted(out, key, value, source)
     return out
 
 
@@ -692,7 +693,7 @@ def load_case_config(path: str | Path, *, complete: bool = False) -> RunConfig:
     data = read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("", "expected a mapping of config sections", str(path))
-    data = as_recorded(data)
+    data = as_recorded(data, str(path))
     missing = [k for k in dotted_keys() if not has_dotted(data, k)] if complete else []
     try:
         cfg = from_dict(data, str(path))

@@ -111,7 +111,9 @@ def shift_padding_right(mb: Batch, align: int = 1) -> Batch:
     prompt_width = width - resp
     prompt_len = mask[:, :prompt_width].sum(1)  # prompts are left-padded: their tokens are contiguous
     pad = prompt_width - prompt_len
-    tokens = prompt_len + mb["response_mask"].sum(1)  # responses are right-padded after their EOS
+    # each row's last response token (its EOS): the mask is a prefix, but its end is read as the last 1 anyway
+    ends = (mb["response_mask"] * torch.arange(1, resp + 1, device=mask.device)[None]).amax(1)
+    tokens = prompt_len + ends
     keep = _aligned(int(tokens.max()), align)
     cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
     out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
