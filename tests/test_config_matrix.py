@@ -208,6 +208,18 @@ def test_a_config_holding_part_of_a_later_group_is_incomplete(tmp_path: Path) ->
         load_case_config(path, complete=True)
 
 
+def test_a_config_from_before_the_head_took_the_loss_reads_whole(tmp_path: Path) -> None:
+    """A config.yaml written before `model.head_loss_in_forward` existed is complete (its case can be resumed) and
+    reads as what it ran: the loss after the head."""
+    import yaml
+
+    full = yaml.safe_load(dump_yaml(from_dict({"model": {"head_loss_in_forward": True}})))
+    del full["model"]["head_loss_in_forward"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(full))
+    assert load_case_config(path, complete=True).model.head_loss_in_forward is False
+
+
 def test_committed_run_roots_stay_readable() -> None:
     """Every config.yaml under results/reference/ loads with today's schema (keys added since sit at their defaults,
     or at the behaviour the run had where a new default changed it; a retired key is accepted only at the value whose

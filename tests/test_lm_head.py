@@ -1,6 +1,7 @@
 """The fused LM head (`model.fused_head`) gives the plain path's log-probs, entropies and gradients: on its own against
 `algos.token_logprobs_and_entropy` over materialised logits, and inside real DeepSpeed updates (ZeRO-2 and ZeRO-3,
-the embedded tiny model, whose head is tied to its embedding) against the same update with the plain head."""
+the embedded tiny model, whose head is tied to its embedding) against the same update with the plain head. So does
+the head that takes the loss itself and forms its gradient in forward (`model.head_loss_in_forward`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from zbench.config import from_dict
 from zbench.engine import algos
 from zbench.engine.cluster import free_port
-from zbench.engine.lm_head import fusable_head, head_logprobs
+from zbench.engine.lm_head import fusable_head, head_logprobs, head_loss
 from zbench.engine.workers import PolicyWorker
 from zbench.models import resolve_model
 
@@ -63,6 +64,54 @@ def test_entropy_without_gradient_and_log_probs_alone():
         head_logprobs(hidden, weight, labels[:, :6])
 
 
+def _policy_terms(logp: torch.Tensor, ent: torch.Tensor | None, rows: slice | None, extra: dict[str, torch.Tensor],
+                  coef: float) -> torch.Tensor:
+    """A loss of per-token terms as the actor's: clipped policy gradient, KL to a reference, an entropy bonus."""
+    def part(key: str) -> torch.Tensor:
+        return extra[key] if rows is None else extra[key].reshape(-1)[rows]
+
+    mask = part("mask")
+    pg, _, _ = algos.policy_loss(part("old"), logp, part("adv"), mask, 0.2, 0.28, 3.0, denom=17.0)
+    kl = algos.masked_mean(algos.kl_penalty(logp, part("ref"), "low_var_kl"), mask, denom=17.0)
+    loss = pg + 0.1 * kl
+    return loss - coef * algos.masked_mean(ent, mask, denom=17.0) if ent is not None else loss
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 4, 21, 4096])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_loss_taken_in_the_head_equals_the_loss_after_it(temperature: float, chunk: int, entropy_grad: bool):
+    """`head_loss` gives the loss the statistics of the plain path give, and the same gradients, scaled by whatever
+    multiplies the loss after it; they exist once forward returns (backward would read a zeroed weight)."""
+    hidden, weight, labels = _inputs(torch.float32)
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).float()
+    with torch.no_grad():
+        plain_logp = algos.token_logprobs_and_entropy(hidden @ weight.t(), labels, temperature)[0]
+    extra = {"mask": mask, "adv": torch.randn(3, 7, generator=g) * mask,
+             "old": plain_logp + 0.3 * torch.randn(3, 7, generator=g),  # ratios inside and outside the clip
+             "ref": plain_logp + 0.2 * torch.randn(3, 7, generator=g)}
+    coef = 0.05 if entropy_grad else 0.0
+    logp, ent = algos.token_logprobs_and_entropy(hidden @ weight.t(), labels, temperature, with_entropy=True,
+                                                 entropy_grad=entropy_grad)
+    loss = _policy_terms(logp, ent, None, extra, coef)
+    (0.25 * loss).backward()
+    plain = (loss.detach(), hidden.grad, weight.grad)
+    hidden.grad = weight.grad = None
+    f_logp, f_ent, f_loss = head_loss(hidden, weight, labels, lambda lp, en, rows: _policy_terms(lp, en, rows, extra, coef),
+                                      temperature, with_entropy=True, entropy_grad=entropy_grad, chunk_tokens=chunk)
+    assert not f_logp.requires_grad and not f_ent.requires_grad and f_loss.requires_grad
+    for a, b in ((logp, f_logp), (ent, f_ent)):  # float32 sums in another order, as above
+        assert (a.detach() - b).abs().max() <= 1e-5 * a.detach().abs().max()
+    with torch.no_grad():
+        weight.zero_()  # the gradients were formed in forward: backward projects nothing
+    (0.25 * f_loss).backward()
+    for name, a, b in zip(("loss", "hidden grad", "weight grad"), plain, (f_loss.detach(), hidden.grad, weight.grad),
+                          strict=True):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), name
+    assert plain[1].abs().max() > 0 and plain[2].abs().max() > 0
+
+
 def test_bf16_values_match_the_plain_path():
     """In bf16 the logits are rounded to bf16 before the float32 reduction in both paths: the same values."""
     hidden, weight, labels = _inputs(torch.bfloat16)
@@ -83,29 +132,38 @@ def test_only_a_plain_linear_head_is_fused():
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_update_with_the_fused_head_equals_the_plain_one(stage: int):
-    """One GRPO update of the same batch from the same weights, fused head on and off: the same statistics, the
-    same returned log-probs and the same weights after the step (DeepSpeed on CPU; ZeRO-3 gathers the tied
-    head for forward and again for backward)."""
+    """One GRPO update of the same batch from the same weights (KL loss and an entropy bonus, two micro-batches),
+    with the plain head, the fused head, and the fused head taking the loss itself: the same statistics, the same
+    returned log-probs and the same weights after the step (DeepSpeed on CPU; ZeRO-3 gathers the tied head for
+    forward and again for backward)."""
     model_path = str(resolve_model("tiny"))
     case_dir = tempfile.mkdtemp(prefix="zbench-head-")
     workers = []
-    for fused in (False, True):
-        cfg = from_dict(_cfg(zero={"stage": stage}, model={"fused_head": fused}))
+    for fused, in_forward in ((False, False), (True, False), (True, True)):
+        cfg = from_dict(_cfg(zero={"stage": stage}, model={"fused_head": fused, "head_loss_in_forward": in_forward},
+                             actor={"entropy_coeff": 0.01, "micro_batch_size_per_gpu": 4}))
         worker = PolicyWorker(cfg, 0, 1, case_dir, model_path)
         if not workers:
             worker.join("127.0.0.1", free_port())
-        worker.setup()
+        info = worker.setup()
+        assert (info["fused_head"], info["head_loss_in_forward"]) == (fused, in_forward)
         workers.append(worker)
     batch = _batch(pad_id=0)
-    plain, fused = (w.update_actor(batch) for w in workers)
-    assert torch.allclose(fused.pop("old_log_probs"), plain.pop("old_log_probs"), atol=1e-5)
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
-        assert fused[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+    plain, *others = (w.update_actor(batch) for w in workers)
+    plain_logp = plain.pop("old_log_probs")
     assert plain["actor/grad_norm"] > 0
-    assert fusable_head(workers[1].engine) is not None  # the fused path did run
-    before, after = (dict(_full_params(w)) for w in workers)  # the weights after the step, whole on this rank
+    for other in others:
+        assert torch.allclose(other.pop("old_log_probs"), plain_logp, atol=1e-5)
+        assert other.keys() == plain.keys()
+        for key in plain:
+            assert other[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+    before, *after = (dict(_full_params(w)) for w in workers)  # the weights after the step, whole on this rank
+    # Adam's first step moves a weight by about lr (1e-3) where its gradient is well above eps, whatever its size: a
+    # gradient that differs moves weights 1e-4 apart and more, while sums in another order leave a few weights whose
+    # gradient is near eps some 1e-6 apart
     for name, p in before.items():
-        assert torch.allclose(p, after[name], atol=1e-6), name
+        for weights in after:
+            assert torch.allclose(p, weights[name], atol=1e-5), name
 
 
 def _full_params(worker: PolicyWorker) -> list[tuple[str, torch.Tensor]]:

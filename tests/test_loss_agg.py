@@ -7,12 +7,14 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from test_old_log_prob import _batch, _cfg
 
 from zbench.config import ConfigError, from_dict
+from zbench.engine import lm_head
 from zbench.engine.batches import (
     in_row_order,
     left_pad,
@@ -66,18 +68,28 @@ def _updated(raw: dict, batch: dict[str, torch.Tensor], model_path: str) -> tupl
 def test_token_mean_update_does_not_depend_on_micro_batches():
     """One GRPO update of eight sequences of uneven lengths: micro-batches of 1, 2 (rows sorted by length, or not)
     and 8 move the weights alike and report the same statistics under token-mean; under micro-token-mean, micro
-    2 and 8 differ (and 8, one micro-batch, equals token-mean's)."""
+    2 and 8 differ (and 8, one micro-batch, equals token-mean's). A head that takes the loss itself
+    (`model.head_loss_in_forward`, token chunks of 3) divides each chunk's share by its micro-batch's denominator
+    under both."""
     model_path = str(resolve_model("tiny"))
     batch = _batch(pad_id=0)
     runs = {}
-    for name, micro, sort, agg in [("t8", 8, True, "token-mean"), ("t1", 1, True, "token-mean"),
-                                   ("t2-sorted", 2, True, "token-mean"), ("t2-rows", 2, False, "token-mean"),
-                                   ("m8", 8, True, "micro-token-mean"), ("m2", 2, True, "micro-token-mean")]:
-        raw = _cfg(actor={"micro_batch_size_per_gpu": micro, "loss_agg": agg}, trainer={"sort_micro_batches": sort})
-        runs[name] = _updated(raw, batch, model_path)
+    for name, micro, sort, agg, in_head in [
+            ("t8", 8, True, "token-mean", False), ("t1", 1, True, "token-mean", False),
+            ("t2-sorted", 2, True, "token-mean", False), ("t2-rows", 2, False, "token-mean", False),
+            ("m8", 8, True, "micro-token-mean", False), ("m2", 2, True, "micro-token-mean", False),
+            ("t2-head", 2, True, "token-mean", True), ("m2-head", 2, True, "micro-token-mean", True)]:
+        raw = _cfg(actor={"micro_batch_size_per_gpu": micro, "loss_agg": agg}, trainer={"sort_micro_batches": sort},
+                   model={"head_loss_in_forward": in_head})
+        with mock.patch.object(lm_head, "DEFAULT_CHUNK_TOKENS", 3):  # chunks that split rows and micro-batches
+            runs[name] = _updated(raw, batch, model_path)
     base_stats, base_params = runs["t8"]
     assert base_stats["actor/grad_norm"] > 0
-    for name in ("t1", "t2-sorted", "t2-rows", "m8"):
+    m2_head_stats, m2_head_params = runs.pop("m2-head")
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert m2_head_stats[key] == pytest.approx(runs["m2"][0][key], rel=1e-4, abs=1e-6), key
+    assert _moved_apart(m2_head_params, runs["m2"][1]) < 1e-3
+    for name in ("t1", "t2-sorted", "t2-rows", "m8", "t2-head"):
         stats, params = runs[name]
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert stats[key] == pytest.approx(base_stats[key], rel=1e-4, abs=1e-6), (name, key)

@@ -65,6 +65,9 @@ class ModelConfig:
     # actor and reference: the LM head yields log-probs and entropy in token chunks, never a micro-batch's whole
     # logits or their gradient (zbench.engine.lm_head)
     fused_head: bool = True
+    # [experimental] with fused_head: the actor's update takes its per-token loss inside the head, which forms the
+    # loss's gradient while each chunk's logits exist, so backward projects no logits again (one head matmul fewer)
+    head_loss_in_forward: bool = False
     # torch.compile each decoder layer of the trained models (fused kernels; at ZeRO-3 the layers become DeepSpeed
     # leaf modules): auto = on CUDA; always (CUDA only); never
     compile_layers: str = "auto"
@@ -604,12 +607,13 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
-# Keys added together after runs were recorded without them, whose defaults changed what a case computes, with the
-# values that reproduce what those runs did: a case's config.yaml (always written whole) that lacks all of one group
-# was written before it existed, and reads, reruns, resumes and hashes as what it ran, not as today's default. (Keys
-# that only made a case faster sit at their defaults, as any later code change does.)
+# Keys added together after runs were recorded without them, with the values that reproduce what those runs did: a
+# case's config.yaml (always written whole) that lacks all of one group was written before it existed, and reads,
+# reruns, resumes and hashes as what it ran, not as today's default. (Keys added before this list sit at their
+# defaults in a plain read, and a complete read of a config lacking them names them.)
 INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"actor.loss_agg": "micro-token-mean", "critic.loss_agg": "micro-token-mean", "trainer.sort_micro_batches": False},
+    {"model.head_loss_in_forward": False},
 )
 
 

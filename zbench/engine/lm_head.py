@@ -13,6 +13,11 @@ statistics' gradients into the hidden states' and the head weight's gradients di
 The logits are rounded to the weight's dtype before the float32 reduction, as the plain path's bf16 `Linear` output
 is, so forward values match it; the weight's gradient is summed over chunks in float32.
 
+`head_loss` goes one matmul further where the loss is a sum of per-token terms of these statistics (the policy loss,
+its entropy bonus and KL penalty are): given the loss of any chunk of tokens (`TokenLoss`), it takes each chunk's
+loss and its gradient while the chunk's logits are still there, so backward has no logits to project again; it only
+scales the gradients formed in forward by the loss's own upstream gradient (DeepSpeed's accumulation factor).
+
 Within `head_computes_stats`, a Hugging Face causal LM (or a DeepSpeed engine around one) returns these statistics
 from its head in place of logits (`fusable_head` says which heads qualify): the head module is called as usual, so ZeRO-3 gathers its (possibly tied) weight for
 forward and again for backward as it does for any `Linear`.
@@ -21,12 +26,17 @@ forward and again for backward as it does for any `Linear`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 DEFAULT_CHUNK_TOKENS = 4096  # one chunk of Qwen3's bf16 logits: 4096 x 152k x 2 B = 1.2 GB
+
+# (log-probs [n] with gradient, entropies [n] (with gradient when the entropy is in the loss; None when none was
+# asked), the rows of the flattened [B, R] tokens they belong to) -> those tokens' loss, a 0-dim tensor. The loss of
+# all tokens must be the sum of the chunks' losses, each chunk's depending on its own tokens only.
+TokenLoss = Callable[[torch.Tensor, "torch.Tensor | None", slice], torch.Tensor]
 
 # Attributes of a model config that change what the head returns beyond `hidden @ weight.T`: a model that sets any
 # of them takes the plain path.
@@ -119,17 +129,86 @@ class _HeadStats(torch.autograd.Function):
             None
 
 
+class _HeadLoss(torch.autograd.Function):
+    """(log p(labels), entropy, loss) where loss = Σ over chunks of `token_loss`: each chunk's logits are projected
+    once, and reduced to its statistics and then, with the gradient of its loss with respect to them, to its share of
+    the hidden states' and the head weight's gradients. The statistics leave without gradient; the loss carries it."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                with_entropy: bool, entropy_grad: bool, chunk: int, token_loss: TokenLoss
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stats, grad_of_logits = _kernels(hidden.device)
+        entropy_grad = with_entropy and entropy_grad
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        logps, ents, losses = [], [], []
+        for s in range(0, hidden.shape[0], chunk):
+            rows = slice(s, s + chunk)
+            logits = hidden[rows] @ weight.t()
+            lse, logp, ent = stats(logits, labels[rows], temperature, with_entropy)
+            with torch.enable_grad():  # the loss's gradient with respect to this chunk's statistics
+                lp = logp.detach().requires_grad_()
+                en = ent.detach().requires_grad_(entropy_grad) if with_entropy else None
+                loss = token_loss(lp, en, rows)
+                wrt = [lp, en] if entropy_grad and en is not None else [lp]
+                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else ()
+            g_logp, g_ent = (grads[i] if i < len(grads) and grads[i] is not None else torch.zeros_like(lse)
+                             for i in range(2))
+            if grad_hidden is not None or grad_weight is not None:
+                g = grad_of_logits(logits, labels[rows], lse, ent if entropy_grad else lse, g_logp, g_ent,
+                                   temperature, entropy_grad)
+                if grad_hidden is not None:
+                    grad_hidden[rows] = g @ weight
+                if grad_weight is not None:
+                    grad_weight.add_(g.t() @ hidden[rows])
+            logps.append(logp)
+            ents.append(ent)
+            losses.append(loss.detach())
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        logp, ent = torch.cat(logps), torch.cat(ents)
+        ctx.mark_non_differentiable(logp, ent)
+        return logp, ent, torch.stack(losses).sum() if losses else hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, _grad_logp: torch.Tensor | None, _grad_ent: torch.Tensor | None,
+                 grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_loss.float()
+        return (None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype),
+                None if grad_weight is None else (grad_weight * scale).to(grad_weight.dtype),
+                None, None, None, None, None, None)
+
+
+def _check(hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> None:
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)} (expected "
+                         f"labels.shape + (hidden,))")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+
+
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_loss: TokenLoss,
+              temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """As `head_logprobs`, and the loss `token_loss` gives over all tokens (chunk by chunk, on the flattened
+    `labels`), whose gradient is formed during this call: (log-probs, entropies or None, loss). Only the loss
+    carries a gradient; backward costs no matmul."""
+    _check(hidden, labels, chunk_tokens)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent, loss = _HeadLoss.apply(flat, weight, labels.reshape(-1), float(temperature), with_entropy,
+                                      entropy_grad, chunk_tokens, token_loss)
+    return logp.reshape(labels.shape), ent.reshape(labels.shape) if with_entropy else None, loss
+
+
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                   with_entropy: bool = False, entropy_grad: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of `labels` ([..., T]) under softmax(hidden @ weight.T / temperature) and, if asked, the
     entropy (with gradients only if `entropy_grad`), both float32 [..., T], from `hidden` [..., T, H] without ever
     holding more than `chunk_tokens` rows of logits."""
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} does not match labels {tuple(labels.shape)} (expected "
-                         f"labels.shape + (hidden,))")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    _check(hidden, labels, chunk_tokens)
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _HeadStats.apply(flat, weight, labels.reshape(-1), float(temperature), with_entropy, entropy_grad,
                                  chunk_tokens)
@@ -151,18 +230,26 @@ def fusable_head(model: Any) -> torch.nn.Module | None:
 
 @contextlib.contextmanager
 def head_computes_stats(head: torch.nn.Module, labels: torch.Tensor, temperature: float, with_entropy: bool,
-                        entropy_grad: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[None]:
+                        entropy_grad: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                        token_loss: TokenLoss | None = None) -> Iterator[None]:
     """Within the block, `head` called on hidden states [B, R + 1, H] (a causal LM's last R + 1 positions) returns
     the statistics of `labels` [B, R] at the first R positions, stacked [B, R, 2] (log-prob, entropy; entropy 0
-    without `with_entropy`), in place of logits."""
+    without `with_entropy`), in place of logits. With `token_loss` (under autograd), `head_loss`'s: [B, R, 3], the
+    third channel the loss at every position (any one of them, e.g. `[0, 0, 2]`, is the loss with its gradient)."""
 
     def stats_forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[1] != labels.shape[1] + 1:
             raise ValueError(f"the head saw {hidden.shape[1]} positions, expected {labels.shape[1] + 1} "
                              "(the responses and the position before them)")
-        logp, ent = head_logprobs(hidden[:, :-1], head.weight, labels, temperature, with_entropy, entropy_grad,
-                                  chunk_tokens)
-        return torch.stack((logp, ent if ent is not None else torch.zeros_like(logp)), dim=-1)
+        if token_loss is not None and torch.is_grad_enabled():
+            logp, ent, loss = head_loss(hidden[:, :-1], head.weight, labels, token_loss, temperature, with_entropy,
+                                        entropy_grad, chunk_tokens)
+            extra = [loss.expand(logp.shape)]
+        else:
+            logp, ent = head_logprobs(hidden[:, :-1], head.weight, labels, temperature, with_entropy, entropy_grad,
+                                      chunk_tokens)
+            extra = []
+        return torch.stack((logp, ent if ent is not None else torch.zeros_like(logp), *extra), dim=-1)
 
     head.forward = stats_forward  # an instance attribute: hooks (ZeRO-3's gathers) still run around it
     try:

@@ -396,7 +396,7 @@ class Trainer:
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
                 "fused_ops": self.info.get("fused_ops"), "compiled_layers": self.info.get("compiled_layers"),
-                "fused_head": self.info.get("fused_head"),
+                "fused_head": self.info.get("fused_head"), "head_loss_in_forward": self.info.get("head_loss_in_forward"),
                 "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
                 **({"session": self.session} if self.session else {}),

@@ -499,7 +499,8 @@ class PolicyWorker(_Worker):
                 "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
                 "compiled_layers": self.compiled_layers,
                 # the head computes log-probs itself only where it is a plain Linear (zbench.engine.lm_head)
-                "fused_head": cfg.model.fused_head and lm_head.fusable_head(self.engine) is not None,
+                "fused_head": (fused_head := cfg.model.fused_head and lm_head.fusable_head(self.engine) is not None),
+                "head_loss_in_forward": fused_head and cfg.model.head_loss_in_forward,
                 "gpu_name": torch.cuda.get_device_name(self.device) if self.on_cuda else None}
 
     def _build_ref(self) -> Any:
@@ -575,6 +576,21 @@ class PolicyWorker(_Worker):
         return algos.token_logprobs_and_entropy(out.logits[:, :-1], mb["responses"], temperature,
                                                 with_entropy=entropy, entropy_grad=entropy_grad)
 
+    def _loss_in_head(self, mb: Batch, entropy_grad: bool, token_loss: lm_head.TokenLoss
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(log-probs, entropies, loss) of the actor on `mb`, the loss `token_loss` over its flattened response
+        tokens taken inside the head (`lm_head.head_loss`, `model.head_loss_in_forward`); None where the head cannot
+        take it (not a fusable head, or the option off)."""
+        m = self.cfg.model
+        head = lm_head.fusable_head(self.engine) if m.fused_head and m.head_loss_in_forward else None
+        if head is None:
+            return None
+        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        with lm_head.head_computes_stats(head, mb["responses"], temperature, True, entropy_grad,
+                                         lm_head.DEFAULT_CHUNK_TOKENS, token_loss):
+            stats = model_outputs(self.engine, mb, logits_to_keep=mb["responses"].shape[1] + 1).logits
+        return stats[..., 0], stats[..., 1], stats[0, 0, 2]
+
     @torch.no_grad()
     def _score(self, model: Any, batch: Batch, key: str) -> Batch:
         mbs, order = self._forward_batches(batch, forward_micro(self.cfg.actor))
@@ -607,24 +623,46 @@ class PolicyWorker(_Worker):
             raise ValueError("update_actor needs old_log_probs unless it runs one epoch of one mini-batch")
         own: list[torch.Tensor] = []
 
-        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
-            mask = mb["response_mask"]
-            logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=a.entropy_coeff > 0)
-            if reused:
-                own.append(on_response(logp.detach(), mb))
-            pg_loss, clipfrac, ppo_kl = algos.policy_loss(
-                own[-1] if reused else mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
-                a.clip_ratio_high, a.clip_ratio_c or None, denom=denom)
+        def terms(logp: torch.Tensor, ent: torch.Tensor, mb: Batch, rows: slice | None,
+                  denom: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            """The loss of `mb`'s tokens (all, or `rows` of its flattened [B, R]) and its statistics: a sum of
+            per-token terms over `denom` (the token count of what the loss is the mean of)."""
+            def part(key: str) -> torch.Tensor:
+                return mb[key] if rows is None else mb[key].reshape(-1)[rows]
+
+            mask = part("response_mask")
+            old = logp.detach() if reused else part("old_log_probs")
+            pg_loss, clipfrac, ppo_kl = algos.policy_loss(old, logp, part("advantages"), mask, a.clip_ratio_low,
+                                                          a.clip_ratio_high, a.clip_ratio_c or None, denom=denom)
             entropy = algos.masked_mean(ent, mask, denom=denom)
             loss = pg_loss - a.entropy_coeff * entropy
+            stats: dict[str, torch.Tensor] = {}
             if a.use_kl_loss:
-                kl = algos.masked_mean(algos.kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask, denom=denom)
+                kl = algos.masked_mean(algos.kl_penalty(logp, part("ref_log_probs"), a.kl_loss_type), mask,
+                                       denom=denom)
                 loss = loss + a.kl_loss_coef * kl
-                stats["actor/kl_loss"].append(kl.detach())
-            stats["actor/pg_loss"].append(pg_loss.detach())
-            stats["actor/pg_clipfrac"].append(clipfrac.detach())
-            stats["actor/ppo_kl"].append(ppo_kl.detach())
-            stats["actor/entropy"].append(entropy.detach())
+                stats["actor/kl_loss"] = kl
+            stats |= {"actor/pg_loss": pg_loss, "actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
+                      "actor/entropy": entropy}
+            return loss, stats
+
+        def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
+            entropy_grad = a.entropy_coeff > 0
+            # a chunk's loss is its share of the micro-batch's: over the micro-batch's denominator, not its own
+            whole = denom if denom is not None else mb["response_mask"].sum().clamp_min(1)
+            fused = self._loss_in_head(mb, entropy_grad, lambda lp, en, rows: terms(
+                lp, en if en is not None else torch.zeros_like(lp), mb, rows, whole)[0])
+            if fused is not None:
+                logp, ent, loss = fused
+                with torch.no_grad():
+                    _, values = terms(logp, ent, mb, None, whole)
+            else:
+                logp, ent = self._logprobs(self.engine, mb, entropy=True, entropy_grad=entropy_grad)
+                loss, values = terms(logp, ent, mb, None, denom)
+            if reused:
+                own.append(on_response(logp.detach(), mb))
+            for key, value in values.items():
+                stats[key].append(value.detach())
             return loss
 
         out: dict[str, Any]
