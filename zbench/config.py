@@ -89,6 +89,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
         _choice("compile_layers", self.compile_layers, ("auto", "always", "never"))
+        if self.head_loss_in_forward and not self.fused_head:
+            raise ConfigError("head_loss_in_forward", "needs model.fused_head=true (the fused head takes the loss)")
         if not self.path:
             raise ConfigError("path", "must name 'tiny', 'qwen3-0.6b', 'qwen3-8b', 'smollm2-135m' or a local Hugging Face model "
                                       "directory")

@@ -7,6 +7,8 @@
 #   bash results/reference/gpu.sh run MATRIX CASES STEPS [zbench run args...]
 #   bash results/reference/gpu.sh tune MATRIX CASES [zbench tune args...]  # each case at its best geometry, then
 #        the tuned matrix run for $TUNED_STEPS steps (default 10), both at the reference config, both packed
+#   bash results/reference/gpu.sh update NAME:KEY=VALUE,...  # the actor update alone, 1-GPU proxy (128 x 512
+#        tokens), one variant per argument, medians of 3, within $UPDATE_BUDGET_S (default 420) -> $OUT/update.jsonl
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
 # `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
@@ -88,10 +90,18 @@ tune)  # $TUNE_BUDGET_S bounds the tune (default 420 s, --time-budget, shared am
     tar --exclude=ckpt -czf "$out/run-tuned-$matrix.tgz" -C "$(dirname "$run")" "$(basename "$run")"
   fi
   ;;
+update)
+  [ -d /tmp/zbench-gsm8k ] || bash "$0" prep > "$out/prep.log" 2>&1
+  while pgrep -f 'FusedAdamBuilder' > /dev/null; do sleep 2; done  # the ops prep compiles in the background
+  variants=(); for v in "$@"; do variants+=(--variant "$v"); done
+  timeout -s INT "${UPDATE_BUDGET_S:-420}" python3 benchmarks/actor_update.py --model qwen3-0.6b \
+    --data /tmp/zbench-gsm8k/train.parquet --seqs 128 --n 4 --response-len 512 --repeats 3 "${variants[@]}" \
+    2>&1 | tee "$out/update.log" | grep '^{' | tee "$out/update.jsonl" | cut -c1-400
+  ;;
 pack-ops)
   tar -czf "$out/dsops.tgz" -C ~/.cache torch_extensions && ls -la "$out/dsops.tgz"
   ;;
 *)
-  echo "unknown step $step: prep | gen | floor | run | tune | pack-ops" >&2; exit 2
+  echo "unknown step $step: prep | gen | floor | run | tune | update | pack-ops" >&2; exit 2
   ;;
 esac

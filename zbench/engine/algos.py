@@ -15,7 +15,7 @@ _KL_KINDS = {"k1": "kl", "kl": "kl", "k2": "mse", "mse": "mse", "k3": "low_var_k
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
-                denom: float | None = None) -> torch.Tensor:
+                denom: float | torch.Tensor | None = None) -> torch.Tensor:
     """Mean of ``x`` over positions where ``mask`` is non-zero (0 where the mask is empty). With ``denom``, the
     masked sum over ``denom`` instead of over the mask's count: this micro-batch's share of a mean taken over more
     tokens than it holds (`token_share`)."""
@@ -188,7 +188,7 @@ def policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
-    denom: float | None = None,
+    denom: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss, token-mean over the mask (or its share of a larger mean, ``denom`` as
     `masked_mean` takes it); returns ``(pg_loss, pg_clipfrac, ppo_kl)``.
@@ -218,7 +218,7 @@ def value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange_value: float,
-    denom: float | None = None,
+    denom: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss ``0.5 * max((v - R)^2, (v_clipped - R)^2)``, token-mean (or its share, ``denom`` as
     `masked_mean` takes it); returns ``(loss, clipfrac)``.

@@ -174,11 +174,12 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _grad_logp: torch.Tensor | None, _grad_ent: torch.Tensor | None,
                  grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Scaled in place (backward runs once): in bf16 each gradient is rounded when formed and again when scaled,
+        # where the plain path rounds once; unbiased, and exact at a scale of 1 (no accumulation)
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.float()
-        return (None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype),
-                None if grad_weight is None else (grad_weight * scale).to(grad_weight.dtype),
-                None, None, None, None, None, None)
+        return (None if grad_hidden is None else grad_hidden.mul_(scale),
+                None if grad_weight is None else grad_weight.mul_(scale), None, None, None, None, None, None)
 
 
 def _check(hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> None:
@@ -241,7 +242,9 @@ def head_computes_stats(head: torch.nn.Module, labels: torch.Tensor, temperature
         if hidden.shape[1] != labels.shape[1] + 1:
             raise ValueError(f"the head saw {hidden.shape[1]} positions, expected {labels.shape[1] + 1} "
                              "(the responses and the position before them)")
-        if token_loss is not None and torch.is_grad_enabled():
+        if token_loss is not None:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("the head takes the loss only under autograd (it forms the loss's gradient)")
             logp, ent, loss = head_loss(hidden[:, :-1], head.weight, labels, token_loss, temperature, with_entropy,
                                         entropy_grad, chunk_tokens)
             extra = [loss.expand(logp.shape)]

@@ -576,19 +576,25 @@ class PolicyWorker(_Worker):
         return algos.token_logprobs_and_entropy(out.logits[:, :-1], mb["responses"], temperature,
                                                 with_entropy=entropy, entropy_grad=entropy_grad)
 
-    def _loss_in_head(self, mb: Batch, entropy_grad: bool, token_loss: lm_head.TokenLoss
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(log-probs, entropies, loss) of the actor on `mb`, the loss `token_loss` over its flattened response
-        tokens taken inside the head (`lm_head.head_loss`, `model.head_loss_in_forward`); None where the head cannot
-        take it (not a fusable head, or the option off)."""
+    def _loss_head(self) -> torch.nn.Module | None:
+        """The actor's head where it takes the update's loss itself (`model.head_loss_in_forward` on a fusable head,
+        under autograd); None where the loss is taken after it."""
         m = self.cfg.model
-        head = lm_head.fusable_head(self.engine) if m.fused_head and m.head_loss_in_forward else None
-        if head is None:
+        if not (m.fused_head and m.head_loss_in_forward and torch.is_grad_enabled()):
             return None
+        return lm_head.fusable_head(self.engine)
+
+    def _loss_in_head(self, head: torch.nn.Module, mb: Batch, entropy_grad: bool, token_loss: lm_head.TokenLoss
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies, loss) of the actor on `mb`, the loss `token_loss` over its flattened response
+        tokens taken inside `head` (`lm_head.head_loss`)."""
         temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
         with lm_head.head_computes_stats(head, mb["responses"], temperature, True, entropy_grad,
                                          lm_head.DEFAULT_CHUNK_TOKENS, token_loss):
             stats = model_outputs(self.engine, mb, logits_to_keep=mb["responses"].shape[1] + 1).logits
+        if stats.shape[-1] != 3:
+            raise RuntimeError(f"the head returned {stats.shape[-1]} statistics per token, not (log-prob, entropy, "
+                               "loss): it did not take the loss")
         return stats[..., 0], stats[..., 1], stats[0, 0, 2]
 
     @torch.no_grad()
@@ -648,12 +654,12 @@ class PolicyWorker(_Worker):
 
         def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
             entropy_grad = a.entropy_coeff > 0
-            # a chunk's loss is its share of the micro-batch's: over the micro-batch's denominator, not its own
-            whole = denom if denom is not None else mb["response_mask"].sum().clamp_min(1)
-            fused = self._loss_in_head(mb, entropy_grad, lambda lp, en, rows: terms(
-                lp, en if en is not None else torch.zeros_like(lp), mb, rows, whole)[0])
-            if fused is not None:
-                logp, ent, loss = fused
+            head = self._loss_head()
+            if head is not None:
+                # a chunk's loss is its share of the micro-batch's: over the micro-batch's denominator, not its own
+                whole = denom if denom is not None else mb["response_mask"].sum().clamp_min(1)
+                logp, ent, loss = self._loss_in_head(head, mb, entropy_grad, lambda lp, en, rows: terms(
+                    lp, en if en is not None else torch.zeros_like(lp), mb, rows, whole)[0])
                 with torch.no_grad():
                     _, values = terms(logp, ent, mb, None, whole)
             else:
