@@ -154,8 +154,9 @@ class _HeadLoss(torch.autograd.Function):
                 loss = token_loss(lp, en, rows)
                 wrt = [lp, en] if entropy_grad and en is not None else [lp]
                 grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else ()
-            g_logp, g_ent = (grads[i] if i < len(grads) and grads[i] is not None else torch.zeros_like(lse)
-                             for i in range(2))
+            g_logp, g_ent = (*grads, None, None)[:2]  # None: no gradient asked, or the loss does not depend on it
+            g_logp = g_logp if g_logp is not None else torch.zeros_like(lse)
+            g_ent = g_ent if g_ent is not None else torch.zeros_like(lse)
             if grad_hidden is not None or grad_weight is not None:
                 g = grad_of_logits(logits, labels[rows], lse, ent if entropy_grad else lse, g_logp, g_ent,
                                    temperature, entropy_grad)

@@ -579,8 +579,7 @@ class PolicyWorker(_Worker):
     def _loss_head(self) -> torch.nn.Module | None:
         """The actor's head where it takes the update's loss itself (`model.head_loss_in_forward` on a fusable head,
         under autograd); None where the loss is taken after it."""
-        m = self.cfg.model
-        if not (m.fused_head and m.head_loss_in_forward and torch.is_grad_enabled()):
+        if not (self.cfg.model.head_loss_in_forward and torch.is_grad_enabled()):  # the config asks for fused_head
             return None
         return lm_head.fusable_head(self.engine)
 
