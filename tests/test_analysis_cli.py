@@ -229,6 +229,21 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
                               for rate in (11111.0, 13579.0, 12000.0)))
     assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "| 13,579 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    # a floor that ran out of memory (`zbench bench floor` records it as such): said so, and nothing set against it;
+    # a measured floor of the same stage still wins over it
+    oom = {k: v for k, v in floor.items() if k not in ("tokens_per_s_per_gpu", "step_s_median")}
+    floors.write_text(json.dumps({**oom, "micro": 64, "status": "oom", "error": "torch.OutOfMemoryError: CUDA out "
+                                  "of memory. Tried to allocate 24.74 GiB."}) + "\n")
+    r = invoke("report", root, "--floors", floors, "--force")
+    assert r.exit_code == 0 and "not a `zbench bench floor` record" not in r.output, r.output
+    section = (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    lines = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    zero2 = {cells[0]: dict(zip(lines[0], cells, strict=True)) for cells in lines[1:]}["zero2"]
+    assert zero2["bare DeepSpeed (tok/s/GPU)"] == "out of memory at micro 64"
+    assert not any("floor ÷ measured" in column for column in zero2)
+    floors.write_text(json.dumps({**oom, "micro": 64, "status": "oom", "error": "x"}) + "\n" + json.dumps(floor) + "\n")
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    assert "| 12,345 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     missing = invoke("report", root, "--floors", tmp_path / "nope.jsonl", "--force")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

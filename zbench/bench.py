@@ -177,9 +177,10 @@ class FloorError(RuntimeError):
 
 
 def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
-    """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, all in
-    one set of rank processes (they must share the model and world size). If one fails, `FloorError` carries
-    the results measured before it."""
+    """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, in one
+    set of rank processes (they must share the model and world size). A floor that runs out of memory is a result
+    (`oom_record`: bare DeepSpeed cannot train that shape here), and the floors after it are measured in fresh
+    processes. Any other failure raises `FloorError`, which carries the results measured before it."""
     from zbench.config import ZeroConfig
     from zbench.engine.cluster import cpu_threads_per_rank
 
@@ -199,7 +200,19 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the spawned ranks as they start
     try:
-        return _spawn_floors(specs)
+        results: list[dict[str, Any]] = []
+        while len(results) < len(specs):
+            try:
+                results += _spawn_floors(specs[len(results):])
+            except _RanksFailed as err:
+                results += err.done
+                spec = specs[len(results)]
+                where = (f"floor {len(results) + 1} of {len(specs)} (stage {spec.stage}, offload {spec.offload}, "
+                         f"head {spec.head})")
+                if not err.oom:
+                    raise FloorError(f"{where} failed: {err.reason}", results) from err
+                results.append(oom_record(spec, err.reason))
+        return results
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -207,15 +220,32 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
+class _RanksFailed(RuntimeError):
+    """The rank processes of `_spawn_floors` stopped early: `done` holds the floors they finished, `reason` the
+    failure's last line, `oom` whether it was running out of memory."""
+
+    def __init__(self, reason: str, done: list[dict[str, Any]], oom: bool):
+        super().__init__(reason)
+        self.reason, self.done, self.oom = reason, done, oom
+
+
+def oom_record(spec: FloorSpec, reason: str) -> dict[str, Any]:
+    """The floors.jsonl record of a floor that ran out of memory: its shape, `status: oom` and the error's line,
+    no times (a reader sets nothing against it)."""
+    return {**asdict(spec), "status": "oom", "error": reason,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
 def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
     """Run the floors in `world_size` spawned rank processes. SIGINT (^C, or `timeout -s INT` bounding the floors)
     stops them even where the command started with SIGINT ignored, as a background job does: the ranks are
-    terminated and the floors they finished are kept (`FloorError.done`)."""
+    terminated and the floors they finished are kept (`_RanksFailed.done`)."""
     import signal
 
     import torch.multiprocessing as mp
 
     from zbench.engine.cluster import free_port
+    from zbench.procs import OOM_PATTERNS
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "floors.jsonl"
@@ -239,12 +269,12 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-            finished = done()
-            spec = specs[min(len(finished), len(specs) - 1)]
-            last = "interrupted" if isinstance(err, KeyboardInterrupt) else (
-                str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
-            raise FloorError(f"floor {min(len(finished) + 1, len(specs))} of {len(specs)} (stage {spec.stage}, "
-                             f"offload {spec.offload}, head {spec.head}) failed: {last}", finished) from err
+            if isinstance(err, KeyboardInterrupt):
+                raise _RanksFailed("interrupted", done(), oom=False) from err
+            text = str(err).strip()  # a rank's exception comes with its traceback's text
+            oom = next((ln.strip() for ln in reversed(text.splitlines()) if OOM_PATTERNS.search(ln)), None)
+            raise _RanksFailed(oom or (text.splitlines()[-1] if text else type(err).__name__), done(),
+                               oom=oom is not None) from err
         finally:
             signal.signal(signal.SIGINT, previous)
         return done()

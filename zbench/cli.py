@@ -385,9 +385,13 @@ def _or(value: int | None, default: int) -> int:
 
 
 def _emit(results: list[dict], out: Path | None) -> None:
-    """Print floor records, and append them to `out` when given."""
+    """Print floor records, and append them to `out` when given; a floor that ran out of memory is also a warning."""
     for result in results:
         print(json.dumps(result))
+        if result.get("status") == "oom":
+            err_console.print(f"warning: floor (stage {result['stage']}, offload {result['offload']}, head "
+                              f"{result['head']}, micro {result['micro']} x {result['seq_len']} tokens) ran out of "
+                              f"memory: recorded as oom: {result['error']}", markup=False, highlight=False)
     if out is not None and results:
         with out.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in results))

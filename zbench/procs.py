@@ -150,6 +150,12 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
     return len(found)
 
 
+# How an out-of-memory failure reads in a log or an error: CUDA's and torch's, the host allocator's, Python's, and
+# Ray's memory monitor killing a worker
+OOM_PATTERNS = re.compile(
+    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory"
+    r"|running low on memory|exceeds the memory usage threshold"
+)
 SYSTEM_OOM_COUNTER = Path("/proc/vmstat")  # the whole machine's count: not the case's own
 
 

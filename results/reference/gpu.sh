@@ -64,7 +64,9 @@ run)
     [ -n "${FLOOR_UNTIL:-}" ] && [ $(( FLOOR_UNTIL - $(date +%s) )) -lt "$fb" ] && fb=$(( FLOOR_UNTIL - $(date +%s) ))
     if [ "$fb" -gt 30 ]; then  # stopped with SIGINT at the budget, keeping the floors measured by then
       timeout -s INT -k 30 "$fb" python3 -m zbench bench floor --like "$root" --warmup 1 --steps 4 \
-        | grep -c '^{' | sed 's/$/ floors measured/'
+        | grep '^{' > /tmp/zbench-floors.out
+      echo "$(grep -vc '"status": "oom"' /tmp/zbench-floors.out) floors measured," \
+        "$(grep -c '"status": "oom"' /tmp/zbench-floors.out) out of memory"
     else echo "no time left for floors"; fi
   fi
   tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"

@@ -123,13 +123,17 @@ TRAINING_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_act
 
 
 def read_floors(path: Path, warnings: list[str]) -> list[dict]:
-    """Bare-DeepSpeed floors (`zbench bench floor` JSON lines) saved beside a run root, if any."""
+    """Bare-DeepSpeed floors (`zbench bench floor` JSON lines) saved beside a run root, if any. A floor that ran out
+    of memory (`status: oom`) is kept with no rate: bare DeepSpeed could not train that shape."""
     floors = []
     if path.is_file():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 floor = json.loads(line)
-                floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len", "tokens_per_s_per_gpu")},
+                oom = floor.get("status") == "oom"
+                floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len")},
+                               "tokens_per_s_per_gpu": None if oom else float(floor["tokens_per_s_per_gpu"]),
+                               "oom": oom, "micro": floor.get("micro"),
                                "head": floor.get("head", "lm"), "fused_ops": bool(floor.get("fused_ops", False))})
             except (json.JSONDecodeError, KeyError, TypeError):
                 if line.strip():
@@ -158,22 +162,28 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                 row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
         fused = cfg.model.fused_ops
         same_stage = [f for f in floors if f["stage"] == cfg.zero.stage and f["offload"] == cfg.zero.offload]
-        # a floor run with the case's own model code (`model.fused_ops`) wins over one without; among those, the
-        # fastest: a floor is the least time the work takes, and a slower repeat of it measured the host's noise
-        match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (f["fused_ops"] == fused,
-                                                                          f["tokens_per_s_per_gpu"]))}
+        # a measured floor wins over one that ran out of memory, one run with the case's own model code
+        # (`model.fused_ops`) over one without; among those, the fastest: a floor is the least time the work takes,
+        # and a slower repeat of it measured the host's noise
+        match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (not f["oom"], f["fused_ops"] == fused,
+                                                                          f["tokens_per_s_per_gpu"] or 0.0))}
         if "lm" in match:
-            row["bare DeepSpeed (tok/s/GPU)"] = match["lm"]["tokens_per_s_per_gpu"]
+            row["bare DeepSpeed (tok/s/GPU)"] = _floor_rate(match["lm"])
             row["floor shape (seqs × tokens per GPU)"] = f"{match['lm']['seqs']} × {match['lm']['seq_len']}"
         if "value" in match and "update_critic (tok/s/GPU)" in row:
-            row["bare DeepSpeed, value head (tok/s/GPU)"] = match["value"]["tokens_per_s_per_gpu"]
+            row["bare DeepSpeed, value head (tok/s/GPU)"] = _floor_rate(match["value"])
         # the critic is set against a floor of its own model where one was measured, else against the LM's
         for role, floor in (("actor", match.get("lm")), ("critic", match.get("value", match.get("lm")))):
             rate = row.get(f"update_{role} (tok/s/GPU)")
-            if floor is not None and isinstance(rate, float) and rate > 0:
+            if floor is not None and not floor["oom"] and isinstance(rate, float) and rate > 0:
                 row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _floor_rate(floor: dict) -> float | str:
+    """A floor's tokens per second per GPU, or what stopped it: bare DeepSpeed ran out of memory at that shape."""
+    return f"out of memory at micro {floor['micro']}" if floor["oom"] else floor["tokens_per_s_per_gpu"]
 
 
 def memory_table(run: RunRoot) -> pd.DataFrame:

@@ -31,6 +31,7 @@ import psutil
 from zbench import procs, stacks
 from zbench.config import RunConfig, dump_yaml
 from zbench.harness.runner_profile import RunnerProfile
+from zbench.procs import OOM_PATTERNS
 from zbench.runroot import casedir
 from zbench.runroot.casedir import RunRootError
 from zbench.runroot.root import RunRoot
@@ -39,11 +40,6 @@ CONFIG_ERROR_EXIT = 2  # the engine's exit code for an invalid config: never ret
 INTERRUPTED_EXIT = 130  # what the CLI exits with after SIGINT/SIGTERM
 CASE_TIMEOUT = "case timeout"  # how a whole-case time limit names itself in a reason: never retried
 
-OOM_PATTERNS = re.compile(
-    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory"
-    # Ray's memory monitor killing a worker
-    r"|running low on memory|exceeds the memory usage threshold"
-)
 # A lost worker or a broken collective near the end of the log: worth another attempt.
 TRANSIENT_PATTERNS = re.compile(
     r"ActorDiedError|RayActorError|ActorUnavailableError|WorkerCrashedError|NodeDiedError"
