@@ -249,6 +249,10 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
     assert z2.config.actor.forward_micro_batch_size_per_gpu == 64 and z2.config.model.gradient_checkpointing
     assert z2.config.rollout.kv_cache_fit and "critic.micro_batch_size_per_gpu" not in z2.device_defaults
     assert z2.device_defaults["actor.micro_batch_size_per_gpu"] == 32 and not set(z2.device_defaults) & set(z2.overrides)
+    assert z2.config.model.head_loss_in_forward and z2.device_defaults["model.head_loss_in_forward"] is True
+    # without the fused head there is no head to take the loss: the default stands aside, and the config is valid
+    plain = expand(load_matrix("grpo-six-case"), sets=[*ref, ("model.fused_head", False)], device_defaults=True)[0]
+    assert not plain.config.model.head_loss_in_forward and "model.head_loss_in_forward" not in plain.device_defaults
     # a named key stays as named, the others still move; the critic (PPO) gets the same geometry
     ppo = expand(load_matrix("six-case"), sets=[*ref, ("actor.micro_batch_size_per_gpu", 8),
                                                  ("rollout.gpu_memory_utilization", 0.3)], device_defaults=True)[0]
