@@ -206,6 +206,8 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
                 results += _spawn_floors(specs[len(results):])
             except _RanksFailed as err:
                 results += err.done
+                if len(results) == len(specs):  # every floor finished: the ranks failed as they closed
+                    raise FloorError(f"the ranks failed after the last floor: {err.reason}", results) from err
                 spec = specs[len(results)]
                 where = (f"floor {len(results) + 1} of {len(specs)} (stage {spec.stage}, offload {spec.offload}, "
                          f"head {spec.head})")
@@ -271,10 +273,9 @@ def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
                     proc.join()
             if isinstance(err, KeyboardInterrupt):
                 raise _RanksFailed("interrupted", done(), oom=False) from err
-            text = str(err).strip()  # a rank's exception comes with its traceback's text
-            oom = next((ln.strip() for ln in reversed(text.splitlines()) if OOM_PATTERNS.search(ln)), None)
-            raise _RanksFailed(oom or (text.splitlines()[-1] if text else type(err).__name__), done(),
-                               oom=oom is not None) from err
+            text = str(err).strip()  # a rank's exception comes with its traceback's text: its last line says what
+            last = text.splitlines()[-1].strip() if text else type(err).__name__
+            raise _RanksFailed(last, done(), oom=bool(OOM_PATTERNS.search(last))) from err
         finally:
             signal.signal(signal.SIGINT, previous)
         return done()
