@@ -233,9 +233,9 @@ class _RanksFailed(RuntimeError):
 
 def oom_record(spec: FloorSpec, reason: str) -> dict[str, Any]:
     """The floors.jsonl record of a floor that ran out of memory: its shape, `status: oom` and the error's line,
-    no times (a reader sets nothing against it)."""
-    return {**asdict(spec), "status": "oom", "error": reason,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    no times (a reader sets nothing against it). Made in the parent, which never initialises CUDA (the ranks
+    after it would start beside its context), so the device is the run root's manifest's to say."""
+    return {**asdict(spec), "status": "oom", "error": reason}
 
 
 def _spawn_floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
