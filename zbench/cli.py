@@ -343,7 +343,8 @@ def bench_floor(
              "floors.jsonl, which `zbench report` reads.")] = None,
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per head,
-    stage and offload, measured one after another in the same processes."""
+    stage and offload, measured one after another in the same processes. A floor that runs out of memory is a
+    line with "status": "oom" and a warning; the floors after it are still measured."""
     from zbench.bench import FloorError, FloorSpec, floors, specs_like
 
     out = None
