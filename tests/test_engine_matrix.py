@@ -133,10 +133,12 @@ def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, d
 
 
 def test_merge_of_two_partial_runs(interrupted: Path, tmp_path: Path) -> None:
-    missing = [c for c, row in summary(interrupted).items() if row["status"] != "completed"]
+    """A rerun of the interrupted case, merged with the first run: each case from the root where it got furthest
+    (the rerun's completed attempt over the interrupted one), the cases neither ran still there as pending."""
+    broken = SIX[2]
     results = tmp_path / "rerun"
     res = subprocess.run([*ZBENCH, "run", "six-case", "--seed", "7777", "--steps", str(STEPS), "--results-dir",
-                          str(results), "--cases", ",".join(missing), "--retries", "0"],
+                          str(results), "--cases", broken, "--retries", "0"],
                          capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rerun = only_root(results)
@@ -144,9 +146,14 @@ def test_merge_of_two_partial_runs(interrupted: Path, tmp_path: Path) -> None:
     res = subprocess.run([*ZBENCH, "merge", str(interrupted), str(rerun), "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+    assert f"{out}: 6 cases, 3 completed" in res.stdout
     merged = summary(out.parent, out.name)
     assert list(merged) == SIX
-    assert all(row["status"] == "completed" for row in merged.values()), merged
+    assert [merged[c]["status"] for c in SIX[:3]] == ["completed"] * 3, merged
+    assert merged[broken]["steps_completed"] == str(STEPS)
+    assert Path(merged[broken]["case_dir"]).parts[-3:] == ("rerun", rerun.name, broken)  # relative to the output
+    assert Path(merged[SIX[0]]["case_dir"]).parts[-2:] == (interrupted.name, SIX[0])
+    assert {merged[c]["status"] for c in SIX[3:]} <= {"pending", ""}, merged
 
 
 def zb(*args: str) -> subprocess.CompletedProcess:
