@@ -123,3 +123,17 @@ def test_phase_bars_follow_the_pipeline_with_readable_names(tmp_path: Path) -> N
     res = zbench("report", "--run-root", root)
     assert res.returncode == 0, res.stderr
     assert Image.open(root / "phase_times.png").size[0] > 500
+
+
+def test_a_critic_update_beside_the_actor_stacks_only_its_exposed_part(tmp_path: Path) -> None:
+    """A case whose critic updated beside the actor (`trainer.critic_update` concurrent records `critic_wait`) shows
+    that wait in its bar, not the critic's whole time, so the bar adds up to its step; a serial case is unchanged."""
+    root = make_run_root(tmp_path, SIX_CASES[:2], steps=4)
+    metrics = root / SIX_CASES[1].name / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "timing_s/critic_wait": 0.01}) + "\n" for r in rows))
+    table = phase_times(load_run_root(root), load_spec("report"))
+    serial, concurrent = table.loc[SIX_CASES[0].name], table.loc[SIX_CASES[1].name]
+    assert serial["critic update"] > 0 and serial["critic update, past the actor's"] == 0
+    assert concurrent["critic update"] == 0 and concurrent["critic update, past the actor's"] == 0.01
+    assert list(table.columns).index("critic update, past the actor's") == list(table.columns).index("critic update") + 1

@@ -61,13 +61,15 @@ def set_steps(case: Path, steps: int) -> None:
 def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     """Step 3 after a resume from the step-2 checkpoint equals that of an uninterrupted run (ZeRO-3 + CPU offload,
     PPO: actor, critic, optimizer states, data position and sampling all restored). The uninterrupted run profiles
-    step 3, which must change none of its numbers and must leave a profile per worker."""
+    step 3, which must change none of its numbers and must leave a profile per worker. The resumed case updates
+    its critic beside its actor (`trainer.critic_update` concurrent), which must change none of them either: every
+    step of it equals the serial run's."""
     knobs = dict(algorithm="ppo", zero__stage=3, zero__offload="cpu", trainer__save_freq=2,
                  actor__use_kl_loss=True, actor__recompute_old_log_prob="always")  # every phase runs
     full = make_case(tmp_path, "full", steps=3, trainer__profile_step=3, **knobs)
     train(full)
     check_profiles(full, step=3)
-    part = make_case(tmp_path, "part", steps=2, **knobs)
+    part = make_case(tmp_path, "part", steps=2, trainer__critic_update="concurrent", **knobs)
     train(part)
     assert json.loads((part / "ckpt" / "state.json").read_text())["step"] == 2
     set_steps(part, 3)
@@ -84,6 +86,9 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     missing = PPO_METRICS - set(a[-1])
     assert not missing, missing
+    # concurrent: the critic's own time, and the part of it the actor's update and weight push left exposed
+    assert all(0 <= r["timing_s/critic_wait"] < r["timing_s/update_critic"] for r in b)
+    assert all("timing_s/critic_wait" not in r for r in a)
 
 
 def check_profiles(case: Path, step: int) -> None:

@@ -51,7 +51,7 @@ floor)  # every stage in "$1" with every offload in "$2", one after another in t
   ;;
 run)
   matrix=$1; cases=$2; steps=$3; shift 3
-  tag=gpu-$matrix${RUN_TAG:+-$RUN_TAG}
+  tag=gpu-$(basename "$matrix" .yaml)${RUN_TAG:+-$RUN_TAG}  # a shipped matrix by name, or a matrix file
   timeout -s INT -k 30 "${RUN_BUDGET_S:-540}" python3 -m zbench run "$matrix" --cases "$cases" --steps "$steps" \
     --seed 7777 --results-dir /tmp/zbench-results --tag "$tag" --retries 0 --step-timeout "${STEP_TIMEOUT_S:-400}" \
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \

@@ -104,13 +104,17 @@ def recorded(run: RunRoot, figure: MemoryFigure) -> bool:
 
 def phase_times(run: RunRoot, spec: dict) -> pd.DataFrame:
     """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N), one column per
-    phase in the spec's pipeline order under its readable name (phases the spec does not name follow, as named)."""
+    phase in the spec's pipeline order under its readable name (phases the spec does not name follow, as named).
+    A phase the spec lists as `overlapped` is left out for a case that recorded its exposed part instead."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
         int(spec.get("mean_from_step", 2))
+    overlapped = {f"{prefix}{phase}": f"{prefix}{exposed}" for phase, exposed in (spec.get("overlapped") or {}).items()}
     out = {}
     for c in run.cases:
         m = read_metrics(c.dir, steady_from=start)
-        cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude]
+        # a phase run beside others stacks only as its exposed part, so that the bar adds up to the step
+        beside = {phase for phase, exposed in overlapped.items() if exposed in m.columns}
+        cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude and k not in beside]
         if cols:
             out[c.name] = m[cols].mean()
     table = pd.DataFrame(out).T.fillna(0.0)

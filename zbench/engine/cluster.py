@@ -125,7 +125,18 @@ class WorkerGroup:
 
     def call_sharded(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
         """Call `method` on every rank with its own shard; wait for all."""
-        return ray.get([getattr(h, method).remote(s, *args) for h, s in zip(self.handles, shards, strict=True)])
+        return self.collect(self.submit_sharded(method, shards, *args))
+
+    def submit_sharded(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
+        """Start `method` on every rank with its own shard, and return at once: `ray.get` the returned references
+        for the results. A rank runs its calls in the order they were made, so a later call on this group runs
+        after this one."""
+        return [getattr(h, method).remote(s, *args) for h, s in zip(self.handles, shards, strict=True)]
+
+    @staticmethod
+    def collect(runs: list[Any]) -> list[Any]:
+        """The results of calls started with `submit_sharded`, in rank order; waits for all."""
+        return ray.get(runs)
 
     def nodes(self) -> list[str]:
         """The Ray node id each rank runs on, in rank order."""

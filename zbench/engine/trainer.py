@@ -3,7 +3,9 @@
 Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob; skipped
 where the update's own forward gives them exactly) -> reference log-probs (ref) -> values (PPO) -> advantages
 (adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
-is timed as `timing_s/<phase>`.
+is timed as `timing_s/<phase>`. With `trainer.critic_update` concurrent, the critic's update runs beside the
+actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
+`timing_s/critic_wait` what of it was left when the weights were in.
 
     python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
 """
@@ -142,9 +144,13 @@ class Trainer:
         self.records.beat()
         critic = self.cfg.needs_critic
         self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if critic else 1)
-        # CPU workers take the configured threads; a GPU rank takes its host's share of the cores (the actor and
-        # the critic of a rank never compute at the same time), which CPU Adam needs when offloading
-        threads = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count())) if self.on_cuda else t.torch_threads
+        # CPU workers take the configured threads; a GPU rank takes its host's share of the cores, which CPU Adam
+        # needs when offloading: all of it for each of its workers where they take turns, half where the actor and
+        # the critic update at the same time (trainer.critic_update concurrent)
+        threads = t.torch_threads
+        if self.on_cuda:
+            share = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count()))
+            threads = max(1, share // 2) if critic and t.critic_update == "concurrent" else share
         env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
                PROCESS_DIR_ENV: str(self.process_dir.resolve())}
         if not self.on_cuda:
@@ -218,10 +224,14 @@ class Trainer:
         # what a token-mean loss divides by: the response tokens of each row's optimizer step, over all ranks
         batch["step_tokens"] = mini_batch_tokens(r_mask, dp, self.cfg.batch_plan().mini_batch_sequences // dp)
 
+        critic_runs: list[Any] = []  # the critic's update, running beside the actor's (trainer.critic_update)
         if self.critic:
-            with self._timed("update_critic"):
-                metrics.update(mean_of(self.critic.call_sharded(
-                    "update_critic", shard(pick(batch, *fwd_keys, "values", "returns", "step_tokens"), dp))))
+            critic_shards = shard(pick(batch, *fwd_keys, "values", "returns", "step_tokens"), dp)
+            if cfg.trainer.critic_update == "concurrent":
+                critic_runs = self.critic.submit_sharded("update_critic", critic_shards)
+            else:
+                with self._timed("update_critic"):
+                    metrics.update(self._critic_stats(self.critic.call_sharded("update_critic", critic_shards)))
         actor_keys = ((*fwd_keys, "advantages", "step_tokens") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
                       + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
         with self._timed("update_actor"):
@@ -235,6 +245,13 @@ class Trainer:
             metrics["actor/rollout_logprob_diff/max"] = diff.max().item()
         with self._timed("update_weights"):
             self.policy.call("sync_weights")
+        if critic_runs:
+            # what of the critic's update the actor's update and weight push did not cover
+            with self._timed("critic_wait"):
+                outs = self.critic.collect(critic_runs)
+            metrics.update(self._critic_stats(outs))
+            # the critic's own time, beside the actor's: ranks' slowest
+            self.timing["timing_s/update_critic"] = max(out["seconds"] for out in outs)
         self.timing["timing_s/step"] = time.perf_counter() - t0
         if profiled:
             metrics["perf/profiled"] = 1.0  # slower than the others: step means leave it out
@@ -246,6 +263,11 @@ class Trainer:
         for i in range(min(cfg.trainer.log_samples, len(texts))):
             print(f"[sample] score={scores[i].item():g} truth={truths[i]} response={texts[i]!r}", flush=True)
         return metrics
+
+    @staticmethod
+    def _critic_stats(outs: list[dict[str, float]]) -> dict[str, float]:
+        """The ranks' mean critic statistics, without the seconds each rank's update took."""
+        return mean_of([{k: v for k, v in out.items() if k != "seconds"} for out in outs])
 
     def _print_profiles(self, step: int, groups: list[Any]) -> None:
         """Stop every worker's profiler (each writes its files under <case>/profile/) and print its phase lines."""

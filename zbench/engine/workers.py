@@ -726,7 +726,10 @@ class CriticWorker(_Worker):
 
     @phase("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        """Clipped value-loss regression to the returns, over the same mini-batches as the actor."""
+        """Clipped value-loss regression to the returns, over the same mini-batches as the actor. Beside the
+        statistics, `seconds`: how long this rank's update took, its results on the host (`trainer.critic_update`
+        concurrent times it here, as the controller meanwhile waits on the actor)."""
+        start = time.perf_counter()
         c = self.cfg.critic
 
         def loss_fn(mb: Batch, stats: dict[str, list[torch.Tensor]], denom: float | None) -> torch.Tensor:
@@ -736,4 +739,5 @@ class CriticWorker(_Worker):
             stats["critic/vf_clipfrac"].append(clipfrac.detach())
             return vf_loss
 
-        return self._train(batch, c.micro_batch_size_per_gpu, c.loss_agg, loss_fn)[0]
+        out = self._train(batch, c.micro_batch_size_per_gpu, c.loss_agg, loss_fn)[0]
+        return {**out, "seconds": time.perf_counter() - start}
