@@ -69,7 +69,8 @@ run)
         "$(grep -c '"status": "oom"' /tmp/zbench-floors.out) out of memory"
     else echo "no time left for floors"; fi
   fi
-  tar --exclude=ckpt -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
+  # a step profile's traces (tens of MB each) stay on the machine; its text reports come back
+  tar --exclude=ckpt --exclude='*.json.gz' -czf "$out/run-$tag.tgz" -C "$(dirname "$root")" "$(basename "$root")"
   cut -f1-17 "$root/summary.tsv"
   ;;
 tune)  # $TUNE_BUDGET_S bounds the tune (default 420 s, --time-budget, shared among the cases: a stopped tune keeps
