@@ -529,10 +529,6 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
     if cfg.rollout.backend in ("vllm", "auto") and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
-    # the critic updates beside the actor where neither steps an optimizer on the CPU (whose cores they would
-    # share): PPO ZeRO-1 and -2 took 2.35 / 2.26 s a step in turns on 2 x H200 (results/reference/h200x2-20261126)
-    if cfg.needs_critic and effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer == "none":
-        out["trainer.critic_update"] = "concurrent"
     return {k: v for k, v in out.items() if not named(k)}
 
 # What two trials of one case may differ in when the same processes serve both (`zbench.engine.session`): the
