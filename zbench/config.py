@@ -339,8 +339,8 @@ class TrainerConfig:
     # which no grouping changes
     sort_micro_batches: bool = True
     # PPO: when the critic's update runs: serial (after the values, before the actor's update) or concurrent (beside
-    # the actor's update and weight push, each rank's two processes sharing its GPU); both give the same numbers,
-    # since neither update reads what the other writes
+    # the actor's update and weight push, each rank's two processes sharing its GPU, so no actor MFU is recorded);
+    # both give the same numbers, since neither update reads what the other writes
     critic_update: str = "serial"
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)

@@ -313,7 +313,10 @@ class Trainer:
         out["perf/cpu_memory_used_gb"] = rss
         out["perf/gc_pause_s"] = max(m["gc_pause_s"] for m in mems)  # a rank's workers pause one after another
         peak = peak_flops(self.info.get("gpu_name"))
-        if peak and self.timing.get("timing_s/update_actor"):
+        # beside the critic's update (trainer.critic_update concurrent) the actor's shares its GPU: its time is not
+        # the actor's alone, and no actor MFU is recorded
+        alone = "timing_s/critic_wait" not in self.timing
+        if peak and alone and self.timing.get("timing_s/update_actor"):
             flops = training_flops(self.info["params"], self.model_config.num_hidden_layers,
                                    self.model_config.hidden_size, tokens * self.cfg.actor.ppo_epochs,
                                    batch["attention_mask"].shape[1])
