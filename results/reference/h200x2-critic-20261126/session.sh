@@ -12,10 +12,7 @@ out=${OUT:-out}; mkdir -p "$out"
 g=results/reference/gpu.sh
 here=results/reference/h200x2-critic-20261126
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if [ ! -f /tmp/zbench-gsm8k/train.parquet ]; then
-  bash $g prep > "$out/prep.log" 2>&1 || { cat "$out/prep.log"; exit 1; }
-  while pgrep -f 'FusedAdamBuilder' > /dev/null; do sleep 2; done  # the ops prep compiles in the background
-fi
+bash $g prep-once || exit 1
 step=${1:-}; shift || true
 case $step in
 ab)
