@@ -72,3 +72,26 @@ def test_a_running_case_listens_on_loopback_only(tmp_path: Path) -> None:
     assert not ray_dir.exists()  # removed when the case ended
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in case.iterdir() if f.is_file()}
     assert len(set(modes.values())) == 1, modes
+
+
+def test_worker_processes_leave_mlflow_unimported(tmp_path: Path) -> None:
+    """A case's Ray worker processes start without mlflow, which DeepSpeed would import for nothing (its autotuner's
+    logging), and DeepSpeed imports there without it; the controller's own process keeps it for the trackers."""
+    import ray
+
+    from zbench.engine.cluster import start_ray
+
+    def deepspeed_has_mlflow() -> tuple[object, bool]:  # defined here: sent to the worker by value
+        from deepspeed.autotuning import autotuner
+
+        return sys.modules.get("mlflow", "never imported"), autotuner.has_mlflow
+
+    start_ray(tmp_path, world_size=1, on_cuda=False)
+    try:
+        assert ray.get(ray.remote(deepspeed_has_mlflow).remote()) == (None, False)
+    finally:
+        ray.shutdown()
+        procs.remove_ray_tmpdir(tmp_path)
+    import mlflow  # the controller's process: unaffected
+
+    assert mlflow.__name__ == "mlflow"
