@@ -31,7 +31,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check zbench tests benchmarks
-	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check zbench tests benchmarks
