@@ -315,7 +315,7 @@ class Trainer:
         peak = peak_flops(self.info.get("gpu_name"))
         # beside the critic's update (trainer.critic_update concurrent) the actor's shares its GPU: its time is not
         # the actor's alone, and no actor MFU is recorded
-        alone = "timing_s/critic_wait" not in self.timing
+        alone = not (self.critic and self.cfg.trainer.critic_update == "concurrent")
         if peak and alone and self.timing.get("timing_s/update_actor"):
             flops = training_flops(self.info["params"], self.model_config.num_hidden_layers,
                                    self.model_config.hidden_size, tokens * self.cfg.actor.ppo_epochs,
