@@ -59,6 +59,9 @@ class ModelConfig:
     path: str = "tiny"
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     gradient_checkpointing: bool = False  # activation checkpointing in actor and critic
+    # with gradient_checkpointing: how many decoder layers (the first ones) recompute their activations in the
+    # backward; the rest keep them, trading memory for the recomputation's time. null: every layer
+    checkpoint_layers: int | None = None
     # [experimental] CUDA: let training's attention use cuDNN (it builds a plan per new shape, and RL shapes vary)
     sdpa_cudnn: bool = False
     fused_ops: bool = True  # training models: RMSNorm and SwiGLU keep less for backward (zbench.engine.fused)
@@ -89,6 +92,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
         _choice("compile_layers", self.compile_layers, ("auto", "always", "never"))
+        if self.checkpoint_layers is not None:
+            _positive("checkpoint_layers", self.checkpoint_layers, allow_zero=True)
+            if not self.gradient_checkpointing:
+                raise ConfigError("checkpoint_layers", f"{self.checkpoint_layers} layers checkpointed needs "
+                                                       "model.gradient_checkpointing=true (or leave it null)")
         if self.head_loss_in_forward and not self.fused_head:
             raise ConfigError("head_loss_in_forward", "needs model.fused_head=true (the fused head takes the loss)")
         if not self.path:
@@ -536,7 +544,7 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
 # rollout engine's settings among them: it is kept from trial to trial) must be the same.
 TRIAL_GEOMETRY_KEYS = (
     "actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu", "actor.forward_micro_batch_size_per_gpu",
-    "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing",
+    "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing", "model.checkpoint_layers",
 )  # fmt: skip
 TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.save_freq", "trainer.logger", *TRIAL_GEOMETRY_KEYS)
 

@@ -93,9 +93,13 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
         tokens = b * seq if not cfg.model.fused_head else min(b * seq, DEFAULT_CHUNK_TOKENS)
         return tokens * d.vocab_size * LOGIT_BYTES
 
+    ckpt = cfg.model.gradient_checkpointing
+    recomputed = min(d.num_layers, cfg.model.checkpoint_layers if cfg.model.checkpoint_layers is not None
+                     else d.num_layers) if ckpt else 0
+
     def train(b: int, with_logits: bool) -> int:
-        kept = d.num_layers * seq * b * (d.hidden_size * p if cfg.model.gradient_checkpointing else layer)
-        working = seq * b * layer if cfg.model.gradient_checkpointing else 0
+        kept = seq * b * (recomputed * d.hidden_size * p + (d.num_layers - recomputed) * layer)
+        working = seq * b * layer if recomputed else 0
         return kept + working + (logits(b) if with_logits else 0)
 
     training = train(cfg.actor.micro_batch_size_per_gpu, True)

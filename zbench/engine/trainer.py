@@ -304,11 +304,14 @@ class Trainer:
             for rank, m in enumerate(self.critic.call("memory")):
                 for k, v in m.items():  # per-process figures add up; the device-wide one is the same GPU
                     prev = mems[rank].get(k, 0.0)
-                    mems[rank][k] = max(prev, v) if k == "device_used_gb" else prev + v
+                    mems[rank][k] = max(prev, v) if k.startswith("device_") else prev + v
         if self.on_cuda:
             out["perf/max_memory_allocated_gb"] = max(m["allocated_gb"] for m in mems)
             out["perf/max_memory_reserved_gb"] = max(m["reserved_gb"] for m in mems)
             out["perf/device_memory_used_gb"] = max(m["device_used_gb"] for m in mems)
+            for phase in ("gen", "train"):  # which phase holds the peak
+                if any(f"device_{phase}_gb" in m for m in mems):
+                    out[f"perf/device_memory_{phase}_gb"] = max(m.get(f"device_{phase}_gb", 0.0) for m in mems)
         rss = sum(m["rss_gb"] for m in mems) + psutil.Process().memory_info().rss / 2**30
         out["perf/cpu_memory_used_gb"] = rss
         out["perf/gc_pause_s"] = max(m["gc_pause_s"] for m in mems)  # a rank's workers pause one after another

@@ -172,7 +172,7 @@ class _Worker:
         if not self.on_cuda:
             torch.set_num_threads(self.cfg.trainer.torch_threads)
         torch.manual_seed(self.cfg.seed)
-        self.device_peak_gb = 0.0
+        self.device_peaks: dict[str, float] = {}  # device-wide GB in use, by the phase that was sampled
         self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
         self.compiled_layers = 0  # decoder layers compiled (`model.compile_layers`)
         self.profiler = StepProfiler(self.on_cuda)
@@ -213,7 +213,7 @@ class _Worker:
             torch.cuda.reset_peak_memory_stats()
         self.cfg, self.case_dir = cfg, Path(case_dir)
         torch.manual_seed(cfg.seed)
-        self.device_peak_gb = 0.0
+        self.device_peaks = {}
         self.gc_clock.take()
         self.fused, self.compiled_layers = {}, 0
         return self.setup()
@@ -245,14 +245,18 @@ class _Worker:
             return []
         return [{**dataclasses.asdict(p), "busy_share": p.busy_share} for p in phases]
 
-    def sample_device_memory(self, extra_gb: float = 0.0) -> None:
-        """Note the memory in use on this GPU by every process (what nvidia-smi shows), for `memory()`.
+    def sample_device_memory(self, phase: str, extra_gb: float = 0.0) -> None:
+        """Note the memory in use on this GPU by every process (what nvidia-smi shows) at the end of `phase`
+        ("gen", "train" or "step_end"), for `memory()`.
 
         torch's peak counters miss what other processes hold and, with vLLM's sleep mode, still count the
         engine's released memory; the device-wide figure, sampled where each phase's memory is still held (end
-        of an update, before vLLM sleeps), is the footprint that decides whether a case fits."""
+        of an update, before vLLM sleeps), is the footprint that decides whether a case fits. Kept by phase, so
+        a record says which phase set the peak (training's activations may grow into the memory a sleeping
+        rollout engine gave back without raising it)."""
         if self.on_cuda:
-            self.device_peak_gb = max(self.device_peak_gb, gpu_memory_in_use_gb(self.device), extra_gb)
+            used = max(gpu_memory_in_use_gb(self.device), extra_gb)
+            self.device_peaks[phase] = max(self.device_peaks.get(phase, 0.0), used)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the group's rendezvous."""
@@ -307,6 +311,7 @@ class _Worker:
             response_decoder(model)  # a model the layout cannot run fails here, before any step
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._keep_activations(model, self.cfg.model.checkpoint_layers)
         model.config.use_cache = False
         if self.cfg.model.compile_layers == "always" and not self.on_cuda:
             raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
@@ -334,12 +339,27 @@ class _Worker:
                 layer.compile(dynamic=True, backend=backend)
         self.compiled_layers = len(layers)
 
+    def _keep_activations(self, model: torch.nn.Module, checkpointed: int | None) -> None:
+        """Under activation checkpointing, the decoder layers past the first `checkpointed` keep their activations
+        for the backward instead of recomputing them (`model.checkpoint_layers`; None: every layer recomputes)."""
+        if checkpointed is None:
+            return
+        layers = self._decoder_layers(model, "model.checkpoint_layers")
+        if checkpointed > len(layers):
+            raise ConfigError("model.checkpoint_layers", f"{checkpointed} is more than the {len(layers)} decoder "
+                                                         f"layers of {self.model_path}; at most {len(layers)}, or null")
+        for layer in layers[checkpointed:]:
+            if not hasattr(layer, "gradient_checkpointing"):
+                raise ConfigError("model.checkpoint_layers", f"{type(layer).__name__} has no per-layer checkpointing "
+                                                             "switch; leave it null")
+            layer.gradient_checkpointing = False
+
     @staticmethod
-    def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    def _decoder_layers(model: torch.nn.Module, key: str = "model.compile_layers") -> torch.nn.ModuleList:
         layers = getattr(response_decoder(model), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
-            raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder `layers` list to "
-                                                      "compile; set it to 'never'")
+            fix = "set it to 'never'" if key == "model.compile_layers" else "leave it null"
+            raise ConfigError(key, f"{type(model).__name__} has no decoder `layers` list; {fix}")
         return layers
 
     def _fuse(self, model: torch.nn.Module) -> None:
@@ -403,7 +423,7 @@ class _Worker:
                     stats[f"{self.role}/grad_norm"].append(torch.as_tensor(norm, dtype=torch.float32))
         out = {k: float(torch.stack([t.detach().float().cpu() for t in v]).mean()) for k, v in stats.items()}
         out[f"{self.role}/lr"] = self.engine.get_lr()[0]
-        self.sample_device_memory()
+        self.sample_device_memory("train")
         return out, [order for _, order, _ in minis]
 
     def optimizer_name(self) -> str:
@@ -424,8 +444,10 @@ class _Worker:
             out["allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             out["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.reset_peak_memory_stats()
-            self.sample_device_memory()
-            out["device_used_gb"], self.device_peak_gb = self.device_peak_gb, 0.0
+            self.sample_device_memory("step_end")
+            out["device_used_gb"] = max(self.device_peaks.values())
+            out.update({f"device_{phase}_gb": gb for phase, gb in self.device_peaks.items() if phase != "step_end"})
+            self.device_peaks = {}
         return out
 
     def save(self, ckpt_dir: str, tag: str) -> None:
@@ -555,7 +577,7 @@ class PolicyWorker(_Worker):
             self.rollout.to(self.device)
         seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank // self.cfg.rollout.tensor_parallel_size
         out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
-        self.sample_device_memory(getattr(self.rollout, "awake_used_gb", 0.0))
+        self.sample_device_memory("gen", getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
             self.rollout.to("cpu")
             torch.cuda.empty_cache()
