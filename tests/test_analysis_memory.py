@@ -157,11 +157,12 @@ def test_estimate_says_which_qwen3_8b_cases_fit_an_h200():
     g = geometry_memory(cfg, cuda, 141 * 2**30)
     r = rows["zero3_ac"]
     assert float(r[-4]) == pytest.approx(g.peak_gb, abs=0.01)
-    assert float(r[7]) + float(r[10]) + float(r[11]) == pytest.approx(float(r[-4]), abs=0.03)  # states+passes+KV
+    # states + the larger of passes and KV: vLLM's cache is released while the model trains
+    assert float(r[7]) + max(float(r[10]), float(r[11])) == pytest.approx(float(r[-4]), abs=0.03)
     assert g.kv_cache > 0  # vLLM's fitted cache is part of the peak
     # the largest micro-batch that fits, without and with checkpointing: DDP's states alone fill the GPU; a case that
     # does not fit at its micro-batch 8 without checkpointing fits at a smaller one
-    assert rows["zero0_ac"][-2:] == ["none", "none"] and rows["zero2_no_ac"][-2:] == ["2", "32"]
+    assert rows["zero0_ac"][-2:] == ["none", "none"] and rows["zero2_no_ac"][-2:] == ["4", "64"]
     for name, r in rows.items():
         if r[-2] != "none":
             assert int(r[-1]) >= int(r[-2]), name  # checkpointing keeps less: never a smaller micro-batch
@@ -174,7 +175,9 @@ def test_estimate_says_which_qwen3_8b_cases_fit_an_h200():
             "actor.forward_micro_batch_size_per_gpu": m}), True, 141 * 2**30).peak_gb
 
     for ckpt, fit in ((False, int(rows["zero2_no_ac"][-2])), (True, int(rows["zero2_no_ac"][-1]))):
-        larger = divisors[divisors.index(fit) + 1]
-        assert peak(fit, ckpt) <= 141 < peak(larger, ckpt), (ckpt, fit, larger)
+        assert peak(fit, ckpt) <= 141, (ckpt, fit)
+        if fit < divisors[-1]:  # the next size up would not fit (with checkpointing the whole share fits)
+            larger = divisors[divisors.index(fit) + 1]
+            assert peak(larger, ckpt) > 141, (ckpt, fit, larger)
     refused = runner.invoke(app, ["estimate", str(Path(__file__).parent), "--set", "model.path=qwen3-8b"])
     assert refused.exit_code == 2 and "--set and --cases apply to a matrix" in refused.output

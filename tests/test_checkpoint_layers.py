@@ -73,3 +73,33 @@ def test_memory_estimate_falls_between_full_and_none():
     # each layer that keeps its activations adds the same amount
     quarter = training_gb(gradient_checkpointing=True, checkpoint_layers=21)
     assert half - quarter == pytest.approx(quarter - full, rel=1e-6)
+
+
+REFERENCE = [("model.path", "qwen3-0.6b"), ("trainer.world_size", 2), ("trainer.device", "cuda"),
+             ("data.max_prompt_length", 512), ("trainer.train_batch_size", 64), ("actor.ppo_mini_batch_size", 64),
+             ("rollout.max_new_tokens", 512), ("rollout.backend", "vllm")]
+
+
+def test_gpu_defaults_keep_activations_where_the_peak_does_not_rise():
+    """At the reference config, GRPO's rollout holds a KV cache for 128 sequences per GPU: the update may keep the
+    activations of a few layers in that memory (vLLM sleeps while it trains) without raising the predicted peak.
+    PPO's cache (32 sequences) leaves no room. Anything named is left alone."""
+    from zbench.harness.matrix import expand, load_matrix
+
+    def chosen(matrix: str, *sets: tuple[str, object]) -> dict[str, object]:
+        return {c.name: c.device_defaults.get("model.checkpoint_layers", "unset")
+                for c in expand(load_matrix(matrix), sets=[*REFERENCE, *sets], device_defaults=True)}
+
+    grpo = chosen("grpo-six-case")
+    for name, keep in grpo.items():
+        case = next(c for c in expand(load_matrix("grpo-six-case"), sets=REFERENCE, device_defaults=True)
+                    if c.name == name)
+        full = geometry_memory(with_overrides(case.config, {"model.checkpoint_layers": None}), True, 0)
+        fewer = geometry_memory(case.config, True, 0)
+        assert isinstance(keep, int) and 0 < keep < 28, name
+        assert fewer.peak_bytes <= full.peak_bytes and fewer.training > full.training, name
+        one_less = geometry_memory(with_overrides(case.config, {"model.checkpoint_layers": keep - 1}), True, 0)
+        assert one_less.peak_bytes > full.peak_bytes, name  # the fewest that keep the peak
+    assert set(chosen("six-case").values()) == {"unset"}
+    assert set(chosen("grpo-six-case", ("model.gradient_checkpointing", True)).values()) == {"unset"}
+    assert set(chosen("grpo-six-case", ("rollout.gpu_memory_utilization", 0.3)).values()) == {"unset"}

@@ -537,7 +537,31 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
     if cfg.rollout.backend in ("vllm", "auto") and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
-    return {k: v for k, v in out.items() if not named(k)}
+    out = {k: v for k, v in out.items() if not named(k)}
+    if not named("model.checkpoint_layers") and not named("model.gradient_checkpointing"):
+        keep = checkpointed_within_peak(with_overrides(cfg, out))
+        if keep is not None:
+            out["model.checkpoint_layers"] = keep
+    return out
+
+
+def checkpointed_within_peak(cfg: RunConfig) -> int | None:
+    """The fewest decoder layers `cfg` (checkpointing on) can checkpoint without raising its predicted peak on a GPU
+    (`zbench.analyze.activations`): the layers past them keep their activations in memory another phase needs
+    anyway, the KV cache of a sleeping vLLM engine above all (measured on 2 x H200 at the reference GRPO config,
+    results/reference/h200x2-ckpt-20261126). None where every layer must checkpoint, or where the KV cache is a share
+    of a device this host cannot size (`rollout.gpu_memory_utilization`)."""
+    from zbench.analyze.activations import geometry_memory, model_dims
+
+    vllm = cfg.rollout.backend in ("vllm", "auto")
+    if not cfg.model.gradient_checkpointing or (vllm and not cfg.rollout.kv_cache_fit):
+        return None
+    dims = model_dims(cfg.model.path)
+    ceiling = geometry_memory(cfg, True, 0, dims).peak_bytes
+    for keep in range(dims.num_layers):
+        if geometry_memory(with_overrides(cfg, {"model.checkpoint_layers": keep}), True, 0, dims).peak_bytes <= ceiling:
+            return keep
+    return None
 
 # What two trials of one case may differ in when the same processes serve both (`zbench.engine.session`): the
 # batch geometry the workers build their engines for, and what names and bounds the trial. Anything else (the

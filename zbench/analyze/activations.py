@@ -40,8 +40,10 @@ class GeometryMemory:
 
     @property
     def peak_bytes(self) -> int:
-        """States plus the largest transient term (the phases run one after another) plus the KV cache."""
-        return self.states + max(self.training, self.forward) + self.kv_cache
+        """States plus the largest of the terms that come one after another: the training micro-batch, the
+        gradient-free one, and vLLM's KV cache, which the engine releases (sleeping) before training takes the
+        memory back (measured: `perf/device_memory_gen_gb` against `perf/device_memory_train_gb`)."""
+        return self.states + max(self.training, self.forward, self.kv_cache)
 
     @property
     def peak_gb(self) -> float:
