@@ -103,3 +103,22 @@ def test_gpu_defaults_keep_activations_where_the_peak_does_not_rise():
     assert set(chosen("six-case").values()) == {"unset"}
     assert set(chosen("grpo-six-case", ("model.gradient_checkpointing", True)).values()) == {"unset"}
     assert set(chosen("grpo-six-case", ("rollout.gpu_memory_utilization", 0.3)).values()) == {"unset"}
+
+
+def test_tune_trials_override_the_default_layer_count():
+    """A tune trial of a GPU case sets the layer count with the checkpointing it tries: a trial without checkpointing
+    is not refused for the count the GPU defaults chose, and one with checkpointing on every layer says so."""
+    from zbench.harness.matrix import expand, load_matrix
+    from zbench.harness.tune import case_space
+    from zbench.harness.tune_search import Geometry
+
+    [case] = expand(load_matrix("grpo-six-case"), sets=REFERENCE, case_globs=["zero2_no_offload"],
+                    device_defaults=True)
+    assert case.config.model.checkpoint_layers == 24
+    tune = case_space(case, budget_gb=28.0, on_cuda=True, device_bytes=141 * 2**30)
+    assert tune.search.space.num_layers == 28
+    plain = with_overrides(case.config, tune.overrides(Geometry(32, 0, False)))
+    assert not plain.model.gradient_checkpointing and plain.model.checkpoint_layers is None
+    every = with_overrides(case.config, tune.overrides(Geometry(32, 0, True)))
+    assert every.model.gradient_checkpointing and every.model.checkpoint_layers is None
+    assert with_overrides(case.config, tune.overrides(Geometry(32, 0, True, 20))).model.checkpoint_layers == 20

@@ -69,6 +69,41 @@ def test_a_micro_batch_predicted_over_budget_is_not_tried_and_checkpointing_buys
     assert search.best().geometry == Geometry(16, 0, True)
 
 
+def test_where_checkpointing_won_fewer_layers_are_checkpointed_as_the_budget_allows() -> None:
+    """Micro-batch 16 fits only with checkpointing (4 of its 16 GB kept with every one of 8 layers checkpointed;
+    each layer that keeps its activations adds 1.5 GB): the fewest checkpointed layers predicted to fit the 10 GB
+    budget come next (4: 4 + 4 x 1.5), and when that trial measures over budget, the fewest predicted to fit with
+    its measurement counted (5). Each layer spared its recomputation makes the update faster."""
+
+    def predict(g: Geometry) -> float:
+        if not g.checkpointing:
+            return float(g.train_micro)
+        kept = 8 - (8 if g.checkpoint_layers is None else g.checkpoint_layers)
+        return g.train_micro * 0.25 + kept * 1.5
+
+    def world(g: Geometry) -> TrialResult:
+        if not g.checkpointing:
+            return TrialResult(g, OK, {2: 1.0, 4: 0.8, 8: 0.7}[g.train_micro], predict(g))
+        if g.checkpoint_layers is None:
+            return TrialResult(g, OK, 0.6, predict(g))
+        measured = predict(g) + (1.0 if g.checkpoint_layers == 4 else 0.0)  # longer batches than the model's
+        status = OK if measured <= 10 else OVER_BUDGET
+        return TrialResult(g, status, 0.6 - 0.02 * (8 - g.checkpoint_layers), measured)
+
+    search = drive(Space(train_micros=(2, 4, 8, 16), forward_micros=(), checkpointing=(False, True),
+                         start=Geometry(2, 0, False), budget_gb=10.0, predict_gb=predict, num_layers=8), world)
+    assert [t.geometry for t in search.trials][-3:] == [
+        Geometry(16, 0, True), Geometry(16, 0, True, 4), Geometry(16, 0, True, 5)]
+    assert search.trials[-2].status == OVER_BUDGET and search.best().geometry == Geometry(16, 0, True, 5)
+    assert search.best().geometry.label() == "micro 16, ckpt 5 layers"
+    # where the layer count is fixed (num_layers 0), or no checkpointed geometry won, nothing more is tried
+    fixed = drive(Space(train_micros=(2, 4, 8, 16), forward_micros=(), checkpointing=(False, True),
+                        start=Geometry(2, 0, False), budget_gb=10.0, predict_gb=predict), world)
+    assert all(t.geometry.checkpoint_layers is None for t in fixed.trials)
+    plain = drive(space(start=2), timed({2: 1.0, 4: 0.8, 8: 0.7, 16: 0.75}))
+    assert all(t.geometry.checkpoint_layers is None for t in plain.trials)
+
+
 def test_the_measured_offset_corrects_the_prediction() -> None:
     # the model says 1 GB per sequence; the trials measure 5 GB more (runtime, allocator): 8 then cannot fit in 10
     search = drive(space(budget=10, predict=lambda g: float(g.train_micro), checkpointing=(False,)),
@@ -212,13 +247,17 @@ def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
     free = case_space(six[0], budget_gb=10.0, on_cuda=False, device_bytes=0)
     assert free.keys == {"train": ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"),
                          "forward": ("actor.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
-                         "checkpointing": ("model.gradient_checkpointing",)}
+                         "checkpointing": ("model.gradient_checkpointing",),
+                         "checkpoint_layers": ("model.checkpoint_layers",)}
     # 8 prompts x 1 sample over 2 ranks: micro-batches of 1, 2 or 4 divide a rank's mini-batch of 4 sequences
     assert free.search.space.train_micros == (1, 2, 4) and free.search.space.checkpointing == (False, True)
     assert free.overrides(Geometry(2, 4, True)) == {
         "actor.micro_batch_size_per_gpu": 2, "critic.micro_batch_size_per_gpu": 2,
         "actor.forward_micro_batch_size_per_gpu": 4, "critic.forward_micro_batch_size_per_gpu": 4,
-        "model.gradient_checkpointing": True}
+        "model.gradient_checkpointing": True, "model.checkpoint_layers": None}
+    assert free.search.space.num_layers == 2  # the tiny model's decoder layers: checkpointing fewer may be tried
+    assert free.overrides(Geometry(2, 4, True, 1))["model.checkpoint_layers"] == 1
+    assert free.overrides(Geometry(2, 4, False, 1))["model.checkpoint_layers"] is None  # nothing to checkpoint
 
     ac = expand(load_matrix("ddp-vs-zero"), case_globs=["zero2_ac"], sets=[("actor.micro_batch_size_per_gpu", 2)])
     fixed = case_space(ac[0], budget_gb=10.0, on_cuda=False, device_bytes=0)

@@ -19,7 +19,7 @@ import pandas as pd
 from zbench.runroot.tuning import TUNING, read_tuning
 
 _SHORT = {"actor.micro_batch_size_per_gpu": "m", "actor.forward_micro_batch_size_per_gpu": "f",
-          "model.gradient_checkpointing": "ckpt"}
+          "model.gradient_checkpointing": "ckpt", "model.checkpoint_layers": "ckpt"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,8 @@ def _label(row: dict[str, str]) -> str:
         value = row.get(key, "")
         if key == "model.gradient_checkpointing":
             parts += [short] if value == "true" else []
+        elif key == "model.checkpoint_layers":  # how many layers checkpoint, where not every one: ckpt20
+            parts = [f"{short}{value}" if p == short and value else p for p in parts]
         elif value and value != "0":
             parts.append(f"{short}{value}")
     return " ".join(parts)

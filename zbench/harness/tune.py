@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from zbench.analyze.activations import geometry_memory
+from zbench.analyze.activations import geometry_memory, model_dims
 from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, dotted_value, with_overrides
 from zbench.harness.launch import (
@@ -123,6 +123,7 @@ def geometry_overrides(keys: dict[str, tuple[str, ...]], constant: dict[str, Any
     out.update({k: g.train_micro for k in keys["train"]})
     out.update({k: g.forward_micro for k in keys["forward"]})
     out.update({k: g.checkpointing for k in keys["checkpointing"]})
+    out.update({k: g.checkpoint_layers if g.checkpointing else None for k in keys.get("checkpoint_layers", ())})
     return out
 
 
@@ -147,6 +148,7 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
         "train": tuple(k for r in roles if (k := f"{r}.micro_batch_size_per_gpu") not in fixed),
         "forward": tuple(k for r in roles if (k := f"{r}.forward_micro_batch_size_per_gpu") not in fixed),
         "checkpointing": () if "model.gradient_checkpointing" in fixed else ("model.gradient_checkpointing",),
+        "checkpoint_layers": () if "model.checkpoint_layers" in fixed else ("model.checkpoint_layers",),
     }
     vllm = on_cuda and cfg.rollout.backend == "vllm"
     kv_free = not fixed & {"rollout.kv_cache_fit", "rollout.gpu_memory_utilization"}
@@ -156,10 +158,11 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
     start = Geometry(section.micro_batch_size_per_gpu,
                      0 if keys["forward"] else section.forward_micro_batch_size_per_gpu,
                      cfg.model.gradient_checkpointing)
+    dims = model_dims(cfg.model.path)
 
     def predict(g: Geometry) -> float:
         return geometry_memory(with_overrides(cfg, geometry_overrides(keys, constant, g)), on_cuda,
-                               device_bytes).peak_gb
+                               device_bytes, dims).peak_gb
 
     space = Space(
         train_micros=divisors(plan.mini_batch_sequences // cfg.trainer.world_size) if keys["train"]
@@ -167,6 +170,7 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
         forward_micros=divisors(plan.sequences_per_rank) if keys["forward"] else (),
         checkpointing=(False, True) if keys["checkpointing"] else (cfg.model.gradient_checkpointing,),
         start=start, budget_gb=budget_gb, predict_gb=predict,
+        num_layers=dims.num_layers if keys["checkpoint_layers"] else 0,
     )
     return CaseTune(case, Search(space), keys, constant)
 

@@ -6,7 +6,9 @@ Pure logic on trial results (no process is started here), in the order an engine
    it fits and the step gets faster; when growing did not help, shrink while that helps; when the start was over
    budget, shrink until it fits, unless the memory model says no smaller micro-batch can save enough;
 2. activation checkpointing, only where memory stopped the growth (it buys memory with recomputation, so it cannot
-   win where speed stopped it): larger micro-batches with it, while faster;
+   win where speed stopped it): larger micro-batches with it, while faster; then, where checkpointing every decoder
+   layer won, checkpointing only as many as the budget needs (the rest keep their activations and skip the
+   recomputation);
 3. the forward micro-batch of the gradient-free passes, only when those passes take a share of the step worth
    winning: grow from the training micro-batch while faster.
 
@@ -32,11 +34,13 @@ class Geometry:
     train_micro: int  # sequences per forward/backward on one rank (actor, and critic with PPO)
     forward_micro: int  # sequences per gradient-free forward on one rank; 0: as the training micro-batch
     checkpointing: bool  # activation checkpointing
+    checkpoint_layers: int | None = None  # with checkpointing: the decoder layers that recompute (None: every one)
 
     def label(self) -> str:
-        """Short text for logs and plots: `micro 4, fwd 8, ckpt`."""
+        """Short text for logs and plots: `micro 4, fwd 8, ckpt` (`ckpt 20 layers` where not every one)."""
         fwd = f", fwd {self.forward_micro}" if self.forward_micro else ""
-        return f"micro {self.train_micro}{fwd}{', ckpt' if self.checkpointing else ''}"
+        layers = f" {self.checkpoint_layers} layers" if self.checkpoint_layers is not None else ""
+        return f"micro {self.train_micro}{fwd}{f', ckpt{layers}' if self.checkpointing else ''}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class Space:
     start: Geometry
     budget_gb: float
     predict_gb: Callable[[Geometry], float]  # the memory model's per-rank (CPU: per-host) peak
+    num_layers: int = 0  # decoder layers, where checkpointing fewer of them may be tried (0: it may not)
     tolerance: float = TOLERANCE
     max_trials: int = MAX_TRIALS
 
@@ -168,6 +173,7 @@ class Search:
                               "not run for another reason than memory")
             return
         yield from self._checkpointing(stopped_by)
+        yield from self._fewer_checkpointed()
         yield from self._forward()
 
     def _grow(self, larger: list[int], at: Callable[[int], Geometry]) -> Generator[Geometry, TrialResult, str]:
@@ -234,6 +240,27 @@ class Search:
             if r is None or not self.faster(r, best):
                 return
             best = r
+
+    def _fewer_checkpointed(self, attempts: int = 3) -> Generator[Geometry, TrialResult, None]:
+        """Where the best geometry checkpoints every layer: the fewest checkpointed layers predicted to fit the budget
+        (the memory model, corrected by what the trials measured); after a trial over budget, the fewest predicted
+        to fit with that trial's measurement counted, `attempts` trials at most. The trials compete with the rest."""
+        best, layers = self.best(), self.space.num_layers
+        if best is None or layers <= 0 or not best.geometry.checkpointing or best.geometry.checkpoint_layers is not None:
+            return
+        tried = -1
+        for _ in range(attempts):
+            fitting = [k for k in range(tried + 1, layers) if self.fits(replace(best.geometry, checkpoint_layers=k))]
+            if not fitting:
+                self.notes.append(f"checkpointing fewer layers: {best.geometry.label()} is predicted over budget "
+                                  f"even with {layers - 1} of {layers} layers checkpointed" if tried < 0 else
+                                  f"checkpointing fewer layers: no count above {tried} of {layers} is predicted to "
+                                  f"fit after its trial ran over budget")
+                return
+            tried = fitting[0]
+            r = yield from self._trial(replace(best.geometry, checkpoint_layers=tried))
+            if r is None or r.status not in MEMORY_STATUSES:
+                return
 
     def _forward(self) -> Generator[Geometry, TrialResult, None]:
         """Larger forward micro-batches for the gradient-free passes, when they take a share worth winning."""
