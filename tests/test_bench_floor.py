@@ -89,7 +89,9 @@ def test_floors_like_a_run_root(tmp_path):
                "trainer": {"world_size": 1, "train_batch_size": 4}, "actor": {"ppo_mini_batch_size": 4,
                "micro_batch_size_per_gpu": 2}, "critic": {"micro_batch_size_per_gpu": 4},
                "rollout": {"n": 2 if algorithm == "grpo" else 1},
-               "model": {"fused_ops": algorithm == "ppo"}}  # the floor runs the case's own model code
+               # the floor runs the case's own model code and checkpointing (GRPO's: its first layer only)
+               "model": {"fused_ops": algorithm == "ppo", "gradient_checkpointing": algorithm == "grpo",
+                         "checkpoint_layers": 1 if algorithm == "grpo" else None}}
         (cdir / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
         (cdir / "metrics.jsonl").write_text("".join(
             json.dumps({"step": i + 1, "prompt_length/mean": 10.0, "response_length/mean": r}) + "\n"
@@ -103,11 +105,12 @@ def test_floors_like_a_run_root(tmp_path):
     printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     saved = [json.loads(line) for line in (root / "floors.jsonl").read_text().splitlines()]
     assert saved[1:] == printed and saved[0]["seq_len"] == 1
-    shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"], x["fused_ops"])
-              for x in printed]
+    shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"], x["fused_ops"],
+               x["gradient_checkpointing"], x["checkpoint_layers"]) for x in printed]
     # sequences per rank per optimizer step: 4 prompts x n; mean length of steps 2.. (prompt 10 + response)
-    assert sorted(shapes) == sorted([(1, "none", "lm", 4, 31, 2, True), (1, "none", "value", 4, 31, 4, True),
-                                     (3, "cpu", "lm", 8, 28, 2, False)])
+    assert sorted(shapes, key=str) == sorted([(1, "none", "lm", 4, 31, 2, True, False, None),
+                                              (1, "none", "value", 4, 31, 4, True, False, None),
+                                              (3, "cpu", "lm", 8, 28, 2, False, True, 1)], key=str)
     clash = subprocess.run([sys.executable, "-m", "zbench", "bench", "floor", "--like", str(root), "--stage", "2"],
                            capture_output=True, text=True, timeout=300)
     assert clash.returncode == 2 and "--like takes the shape of every floor from the run root; drop --stage" in clash.stderr

@@ -103,6 +103,9 @@ def test_gpu_defaults_keep_activations_where_the_peak_does_not_rise():
     assert set(chosen("six-case").values()) == {"unset"}
     assert set(chosen("grpo-six-case", ("model.gradient_checkpointing", True)).values()) == {"unset"}
     assert set(chosen("grpo-six-case", ("rollout.gpu_memory_utilization", 0.3)).values()) == {"unset"}
+    with pytest.raises(ConfigError, match=r"model.path '/nonexistent/model': /nonexistent/model is not a directory; "
+                                          r"give 'tiny', .* \(a GPU case reads its model's shape"):
+        chosen("grpo-six-case", ("model.path", "/nonexistent/model"))
 
 
 def test_tune_trials_override_the_default_layer_count():
@@ -122,3 +125,18 @@ def test_tune_trials_override_the_default_layer_count():
     every = with_overrides(case.config, tune.overrides(Geometry(32, 0, True)))
     assert every.model.gradient_checkpointing and every.model.checkpoint_layers is None
     assert with_overrides(case.config, tune.overrides(Geometry(32, 0, True, 20))).model.checkpoint_layers == 20
+
+
+def test_estimate_of_a_gpu_matrix_whose_defaults_checkpoint_fewer_layers():
+    """`zbench estimate` sizes the micro-batches that fit with and without checkpointing for a case whose GPU
+    defaults chose a layer count: the count does not clash with the geometry without checkpointing."""
+    from typer.testing import CliRunner
+
+    from zbench.cli import app
+
+    sets = [a for key, value in REFERENCE if key != "trainer.device" for a in ("--set", f"{key}={value}")]
+    res = CliRunner().invoke(app, ["estimate", "grpo-six-case", "--device", "cuda", "--device-memory", "141",
+                                   "--cases", "zero2_no_offload", *sets])
+    assert res.exit_code == 0, res.output
+    row = res.output.splitlines()[1].split()
+    assert row[0] == "zero2_no_offload" and row[-3] == "yes" and int(row[-1]) >= int(row[-2]) > 0

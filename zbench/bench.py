@@ -42,6 +42,7 @@ class FloorSpec:
     steps: int = 5  # timed optimizer steps, after `warmup`
     warmup: int = 2
     gradient_checkpointing: bool = False
+    checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only (`model.checkpoint_layers`)
     fused_ops: bool = True  # the engine's lean RMSNorm and SwiGLU (`model.fused_ops`)
     head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
 
@@ -148,6 +149,9 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
         fuse(model)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec.checkpoint_layers is not None:  # the layers past the first N keep their activations, as the case's
+            for layer in model.base_model.layers[spec.checkpoint_layers:]:
+                layer.gradient_checkpointing = False
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     times = bare_steps(engine, spec.head, spec.micro, spec.seq_len, accum, spec.warmup + spec.steps,
@@ -318,7 +322,7 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
                              seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
                              gradient_checkpointing=cfg.model.gradient_checkpointing,
-                             fused_ops=cfg.model.fused_ops, head=head)
+                             checkpoint_layers=cfg.model.checkpoint_layers, fused_ops=cfg.model.fused_ops, head=head)
             if spec not in specs:
                 specs.append(spec)
     if not specs:

@@ -239,8 +239,9 @@ def estimate(
                    f"{g.peak_gb:>9.2f}{fits:>6}{plain:>11}{ckpt:>10}")
     typer.echo("per rank: states = model states on the device (host memory when the case trains on CPU); host / NVMe = "
                "states offloaded there; passes = the largest training or gradient-free micro-batch's activations and "
-               "logits (upper bound: full-length sequences); KV = vLLM's cache; peak = states + the larger of passes and KV "
-               "(vLLM sleeps, its cache released, while the model trains; on CPU: the host, every rank). precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
+               "logits (upper bound: full-length sequences); KV = vLLM's cache; peak = states + the larger of passes "
+               "and KV (vLLM sleeps, its cache released, while the model trains; on CPU: the host, every rank). "
+               "precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
     if any(cuda for _, _, cuda, _ in rows):
         typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU; fit micro / fit ckpt: the largest "
                    "training micro-batch (forward passes the same) predicted to fit without / with activation "

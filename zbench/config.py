@@ -556,7 +556,10 @@ def checkpointed_within_peak(cfg: RunConfig) -> int | None:
     vllm = cfg.rollout.backend in ("vllm", "auto")
     if not cfg.model.gradient_checkpointing or (vllm and not cfg.rollout.kv_cache_fit):
         return None
-    dims = model_dims(cfg.model.path)
+    try:
+        dims = model_dims(cfg.model.path)
+    except ValueError as err:  # the message names model.path and what it takes
+        raise ConfigError("", f"{err} (a GPU case reads its model's shape to choose which layers checkpoint)") from None
     ceiling = geometry_memory(cfg, True, 0, dims).peak_bytes
     for keep in range(dims.num_layers):
         if geometry_memory(with_overrides(cfg, {"model.checkpoint_layers": keep}), True, 0, dims).peak_bytes <= ceiling:

@@ -140,8 +140,8 @@ def largest_fitting_micro(cfg: RunConfig, checkpointing: bool, device_bytes: int
     per_rank = cfg.batch_plan().mini_batch_sequences // cfg.trainer.world_size
     roles = ("actor", "critic") if cfg.needs_critic else ("actor",)
     for micro in sorted((m for m in range(1, per_rank + 1) if per_rank % m == 0), reverse=True):
-        geometry = {"model.gradient_checkpointing": checkpointing, **{f"{r}.micro_batch_size_per_gpu": micro
-                                                                     for r in roles},
+        geometry = {"model.gradient_checkpointing": checkpointing, "model.checkpoint_layers": None,  # every layer
+                    **{f"{r}.micro_batch_size_per_gpu": micro for r in roles},
                     **{f"{r}.forward_micro_batch_size_per_gpu": micro for r in roles}}
         if geometry_memory(with_overrides(cfg, geometry), True, device_bytes, d).peak_bytes <= device_bytes:
             return micro
