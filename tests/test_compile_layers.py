@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_old_log_prob import _batch, _cfg
 
-from zbench.config import ConfigError, from_dict
+from zbench.config import ConfigError, from_dict, with_overrides
 from zbench.engine import workers
 from zbench.engine.cluster import free_port
 from zbench.engine.workers import PolicyWorker, zero3_leaf_layers
@@ -151,3 +151,28 @@ def test_compiled_update_equals_the_eager_one_on_cuda(stage: int):
     assert torch.allclose(compiled.pop("old_log_probs"), eager.pop("old_log_probs"), atol=1e-4)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         assert compiled[key] == pytest.approx(eager[key], rel=1e-3, abs=1e-5), key
+
+
+def test_zero3_compiled_layers_with_fewer_checkpointed_make_the_eager_update():
+    """`model.checkpoint_layers=1` on ZeRO-3's compiled leaf layers: the first layer recomputes, the second keeps its
+    activations, each runs the graph captured for its own checkpointing, and the update equals the eager one with
+    every layer checkpointed."""
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-z3-")
+    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
+    plain = PolicyWorker(cfg, 0, 1, case_dir, model_path)
+    plain.join("127.0.0.1", free_port())
+    plain.setup()
+    torch._dynamo.reset()
+    _CompiledOnCpu.graphs = 0
+    fewer = _CompiledOnCpu(with_overrides(cfg, {"model.checkpoint_layers": 1}), 0, 1, case_dir, model_path)
+    fewer.setup()
+    layers = fewer.engine.module.model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    batch = _batch(pad_id=0)
+    a, b = plain.update_actor(batch), fewer.update_actor(batch)
+    assert _CompiledOnCpu.graphs == 3  # training forward with and without checkpointing, and the log-prob pass
+    assert torch.allclose(b.pop("old_log_probs"), a.pop("old_log_probs"), atol=1e-5)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    torch._dynamo.reset()
