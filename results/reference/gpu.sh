@@ -13,7 +13,7 @@
 #   bash results/reference/gpu.sh prep-once                 # prep (log in $OUT/prep.log) unless this machine has
 #        it already, then wait for the ops to compile: the first step of a session's every call
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
-# `run` uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
+# `run` logs into $OUT/run-TAG.log as it goes (what comes back of a call cut off by its time limit) and uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
 # actor lr 1e-6, critic lr 1e-5; batch geometry: the GPU defaults, `zbench.config.cuda_defaults`) and stops itself
 # after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
 # recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
@@ -65,7 +65,7 @@ run)
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \
     --set trainer.train_batch_size=64 --set actor.ppo_mini_batch_size=64 --set rollout.max_new_tokens=512 \
-    --set actor.lr=1e-6 --set critic.lr=1e-5 "$@" 2>&1 | tail -n 30
+    --set actor.lr=1e-6 --set critic.lr=1e-5 "$@" 2>&1 | tee "$out/run-$tag.log" | tail -n 30
   root=$(ls -d /tmp/zbench-results/"$tag"_* | tail -n 1)
   if [ -n "${FLOOR:-}" ]; then  # the floors of the cases just run, same GPUs and host, into the run root
     fb=${FLOOR_BUDGET_S:-900}
