@@ -13,9 +13,10 @@
 #   bash results/reference/gpu.sh prep-once                 # prep (log in $OUT/prep.log) unless this machine has
 #        it already, then wait for the ops to compile: the first step of a session's every call
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
-# `run` logs into $OUT/run-TAG.log as it goes (what comes back of a call cut off by its time limit) and uses the reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16,
-# actor lr 1e-6, critic lr 1e-5; batch geometry: the GPU defaults, `zbench.config.cuda_defaults`) and stops itself
-# after $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
+# `run` logs into $OUT/run-TAG.log as it goes (what comes back of a call cut off by its time limit) and uses the
+# reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16, actor lr 1e-6,
+# critic lr 1e-5; batch geometry: the GPU defaults, `zbench.config.cuda_defaults`) and stops itself after
+# $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
 # recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
 # With FLOOR=1, `run` then measures the bare-DeepSpeed floors of the cases it ran (`zbench bench floor --like`,
 # ~1 min per floor, outside RUN_BUDGET_S, bounded by $FLOOR_BUDGET_S (default 900) and by the epoch second
