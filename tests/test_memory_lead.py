@@ -33,6 +33,8 @@ def test_report_headline_and_saving_follow_the_device_wide_figure(tmp_path: Path
     device = {"zero1": "40.0", "zero2": "36.0", "zero3": "50.0"}
     reserved = {"zero1": "30.0", "zero2": "24.0", "zero3": "15.0"}
     write_summary(root / "summary.tsv", [{**r, "device_memory_used_gb": device[r["case"]],
+                                          "device_memory_gen_gb": "36.0", "device_memory_train_gb": str(
+                                              float(device[r["case"]]) - 1.0 if r["case"] != "zero2" else 30.0),
                                           "max_memory_reserved_gb": reserved[r["case"]]} for r in rows], tuple(rows[0]))
     res = zbench("report", root)
     assert res.returncode == 0, res.stderr
@@ -43,7 +45,11 @@ def test_report_headline_and_saving_follow_the_device_wide_figure(tmp_path: Path
     memory = md.split("## Memory per rank")[1].splitlines()
     header = next(line for line in memory if line.startswith("| case"))
     assert header.index("measured GPU memory in use, whole device (GB)") < header.index(
-        "measured GPU memory reserved by torch (GB)")
+        "measured GPU memory in use at the end of generation, whole device (GB)") < header.index(
+        "measured GPU memory in use at the end of training, whole device (GB)") < header.index(
+        "measured GPU memory reserved by torch (GB)")  # which phase set the peak, beside it
+    zero3 = next(line for line in memory if line.startswith("| zero3 "))
+    assert "| 50 | 36 | 49 |" in zero3
     # a GPU run from before the device-wide figure leads with torch's reserved peak, under that name
     write_summary(root / "summary.tsv", [{**r, "device_memory_used_gb": ""} for r in read_rows(root / "summary.tsv")],
                   tuple(rows[0]))

@@ -93,6 +93,9 @@ def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str =
                    "perf/cpu_memory_used_gb": 1.0 + n}  # fmt: skip
             if gpu:
                 rec["perf/max_memory_allocated_gb"] = 10.0 * n
+                # the device-wide figure by phase: generation sets the peak, training stays below it
+                rec.update({"perf/device_memory_used_gb": 25.0 + n, "perf/device_memory_gen_gb": 25.0 + n,
+                            "perf/device_memory_train_gb": 20.0 + n})
             f.write(json.dumps(rec) + "\n")
     casedir.write_status(cdir, {"status": status, "attempt": 1, "exit_code": 0, "reason": "", "last_step": steps,
                               "started_at": ended_at, "ended_at": ended_at, "warnings": []})  # fmt: skip
@@ -117,7 +120,7 @@ def test_summary_rows(tmp_path: Path) -> None:
         "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
         "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
         "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb\t"
-        "step_time_sd_s"
+        "step_time_sd_s\tdevice_memory_gen_gb\tdevice_memory_train_gb"
     )
     ppo, grpo = summary.read_summary(path)
     assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
@@ -128,6 +131,9 @@ def test_summary_rows(tmp_path: Path) -> None:
     assert ppo["loss_last"] == "1" and grpo["loss_last"] == "-0.333333"  # vf_loss for PPO, pg_loss for GRPO
     assert ppo["max_memory_allocated_gb"] == "" and ppo["mfu_mean"] == "" and ppo["cpu_memory_used_gb"] == "4"
     assert grpo["max_memory_allocated_gb"] == "30" and grpo["reason"] == 'ValueError: "x" in zero.stage'
+    assert (grpo["device_memory_used_gb"], grpo["device_memory_gen_gb"], grpo["device_memory_train_gb"]) == \
+        ("28", "28", "23")
+    assert ppo["device_memory_gen_gb"] == ppo["device_memory_train_gb"] == ""  # a CPU case has no device figure
     text = (root.path / "zero3" / "config.yaml").read_text()
     assert grpo["config_hash"] == summary.config_hash(text) and len(grpo["config_hash"]) == 12
     assert (

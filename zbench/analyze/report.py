@@ -20,7 +20,7 @@ from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
-from zbench.runroot.memory_figures import ALLOCATED, DEVICE, HOST, RESERVED, MemoryFigure, leading
+from zbench.runroot.memory_figures import ALLOCATED, DEVICE, GEN, HOST, RESERVED, TRAIN, MemoryFigure, leading
 from zbench.runroot.read import (
     RunRoot,
     RunRootError,
@@ -193,7 +193,7 @@ def _floor_rate(floor: dict) -> float | str:
 def memory_table(run: RunRoot) -> pd.DataFrame:
     """Predicted per-rank memory (ZeRO formulas) beside measured peaks, the leading figure first."""
     lead = leading(lambda f: recorded(run, f))
-    measured = [lead, *(f for f in (DEVICE, RESERVED, ALLOCATED, HOST) if f != lead and recorded(run, f))]
+    measured = [lead, *(f for f in (DEVICE, GEN, TRAIN, RESERVED, ALLOCATED, HOST) if f != lead and recorded(run, f))]
     rows = []
     for c in run.cases:
         try:

@@ -28,6 +28,12 @@ class MemoryFigure:
 
 DEVICE = MemoryFigure("perf/device_memory_used_gb", "device_memory_used_gb", "GPU memory in use, whole device",
                       "GPU in use")
+# the same device-wide figure at the end of generation and of training: which phase sets the peak (a training that
+# grows into memory a sleeping rollout engine gave back leaves the peak where generation put it)
+GEN = MemoryFigure("perf/device_memory_gen_gb", "device_memory_gen_gb",
+                   "GPU memory in use at the end of generation, whole device", "GPU in use, generation")
+TRAIN = MemoryFigure("perf/device_memory_train_gb", "device_memory_train_gb",
+                     "GPU memory in use at the end of training, whole device", "GPU in use, training")
 RESERVED = MemoryFigure("perf/max_memory_reserved_gb", "max_memory_reserved_gb", "GPU memory reserved by torch",
                         "torch reserved")
 ALLOCATED = MemoryFigure("perf/max_memory_allocated_gb", "max_memory_allocated_gb", "GPU memory allocated by torch",

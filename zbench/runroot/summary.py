@@ -29,10 +29,10 @@ SUMMARY_COLUMNS = (
     "status", "steps_completed", "steps_target", "wall_s", "step_time_mean_s", "throughput_mean", "mfu_mean",
     "max_memory_allocated_gb", "max_memory_reserved_gb", "cpu_memory_used_gb", "score_first", "score_last",
     "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash", "device_memory_used_gb",
-    "step_time_sd_s",
+    "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb",
 )  # fmt: skip
 # Columns added after the first release: a summary written before them reads back with them empty.
-LATER_SUMMARY_COLUMNS = ("device_memory_used_gb", "step_time_sd_s")
+LATER_SUMMARY_COLUMNS = ("device_memory_used_gb", "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb")
 TEXT_COLUMNS = frozenset({"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
                           "case_dir", "config_hash"})  # fmt: skip
 
@@ -153,6 +153,8 @@ def case_summary_row(run_root: str | os.PathLike[str], case: str, case_dir: str 
         "max_memory_allocated_gb": _peak(unprofiled, "perf/max_memory_allocated_gb"),
         "max_memory_reserved_gb": _peak(unprofiled, "perf/max_memory_reserved_gb"),
         "device_memory_used_gb": _peak(unprofiled, "perf/device_memory_used_gb"),
+        "device_memory_gen_gb": _peak(unprofiled, "perf/device_memory_gen_gb"),
+        "device_memory_train_gb": _peak(unprofiled, "perf/device_memory_train_gb"),
         "cpu_memory_used_gb": _peak(unprofiled, "perf/cpu_memory_used_gb"),
         "score_first": scores[0] if scores else None,
         "score_last": scores[-1] if scores else None,
