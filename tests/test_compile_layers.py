@@ -69,16 +69,16 @@ def test_always_on_the_cpu_is_refused_by_name():
     assert auto.setup()["compiled_layers"] == 0  # auto on the CPU: eager, and the setup says so
 
 
-def _zero3_updates(other: type[PolicyWorker]) -> tuple[PolicyWorker, PolicyWorker, dict, dict]:
-    """A plain ZeRO-3 worker and one of class `other` (checkpointing on, the same initial weights), and what one
-    GRPO update of the same batch returned on each."""
+def _zero3_updates(other: type[PolicyWorker], **twin: object) -> tuple[PolicyWorker, PolicyWorker, dict, dict]:
+    """A plain ZeRO-3 worker and one of class `other` (checkpointing on, the same initial weights; `twin` config
+    overrides on the second only), and what one GRPO update of the same batch returned on each."""
     model_path = str(resolve_model("tiny"))
     case_dir = tempfile.mkdtemp(prefix="zbench-z3-")
     cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
     plain = PolicyWorker(cfg, 0, 1, case_dir, model_path)
     plain.join("127.0.0.1", free_port())
     plain.setup()
-    twin = other(cfg, 0, 1, case_dir, model_path)
+    twin = other(with_overrides(cfg, twin), 0, 1, case_dir, model_path)
     twin.setup()
     batch = _batch(pad_id=0)
     return plain, twin, plain.update_actor(batch), twin.update_actor(batch)
@@ -157,20 +157,11 @@ def test_zero3_compiled_layers_with_fewer_checkpointed_make_the_eager_update():
     """`model.checkpoint_layers=1` on ZeRO-3's compiled leaf layers: the first layer recomputes, the second keeps its
     activations, each runs the graph captured for its own checkpointing, and the update equals the eager one with
     every layer checkpointed."""
-    model_path = str(resolve_model("tiny"))
-    case_dir = tempfile.mkdtemp(prefix="zbench-z3-")
-    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
-    plain = PolicyWorker(cfg, 0, 1, case_dir, model_path)
-    plain.join("127.0.0.1", free_port())
-    plain.setup()
     torch._dynamo.reset()
     _CompiledOnCpu.graphs = 0
-    fewer = _CompiledOnCpu(with_overrides(cfg, {"model.checkpoint_layers": 1}), 0, 1, case_dir, model_path)
-    fewer.setup()
+    _, fewer, a, b = _zero3_updates(_CompiledOnCpu, **{"model.checkpoint_layers": 1})
     layers = fewer.engine.module.model.layers
     assert [layer.gradient_checkpointing for layer in layers] == [True, False]
-    batch = _batch(pad_id=0)
-    a, b = plain.update_actor(batch), fewer.update_actor(batch)
     assert _CompiledOnCpu.graphs == 3  # training forward with and without checkpointing, and the log-prob pass
     assert torch.allclose(b.pop("old_log_probs"), a.pop("old_log_probs"), atol=1e-5)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):

@@ -123,7 +123,7 @@ def geometry_overrides(keys: dict[str, tuple[str, ...]], constant: dict[str, Any
     out.update({k: g.train_micro for k in keys["train"]})
     out.update({k: g.forward_micro for k in keys["forward"]})
     out.update({k: g.checkpointing for k in keys["checkpointing"]})
-    out.update({k: g.checkpoint_layers if g.checkpointing else None for k in keys.get("checkpoint_layers", ())})
+    out.update({k: g.checkpoint_layers if g.checkpointing else None for k in keys["checkpoint_layers"]})
     return out
 
 
