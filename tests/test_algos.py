@@ -51,6 +51,36 @@ def test_gae_gamma_lambda_one_is_reward_to_go_minus_value():
     close(adv, [[5.0, 4.0, 2.0]])
 
 
+def _gae_torch_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                    lam: float) -> torch.Tensor:
+    """The GAE recurrence written out with torch row operations: the definition the host scan must match."""
+    next_value, last_gae, out = torch.zeros(values.shape[0]), torch.zeros(values.shape[0]), []
+    for t in reversed(range(values.shape[1])):
+        gae = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * last_gae
+        m = mask[:, t]
+        next_value = values[:, t] * m + next_value * (1 - m)
+        last_gae = gae * m + last_gae * (1 - m)
+        out.append(last_gae)
+    return torch.stack(out[::-1], dim=1)
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95)])
+def test_gae_scan_equals_the_recurrence_to_the_bit(gamma, lam):
+    g = torch.Generator().manual_seed(3)
+    rows, width = 64, 512
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    mask[5, 10:20] = 0  # padding inside a response carries the running values through
+    rewards = torch.zeros(rows, width)
+    rewards[torch.arange(rows), lengths - 1] = torch.rand(rows, generator=g)
+    values = torch.randn(rows, width, generator=g)
+    adv, ret = algos.compute_gae(rewards, values, mask, gamma, lam, whiten=False)
+    expected = _gae_torch_scan(rewards, values, mask, gamma, lam)
+    assert torch.equal(adv, expected * mask)
+    assert torch.equal(ret, (expected + values) * mask)
+    assert adv.dtype == values.dtype
+
+
 def test_grpo_advantages_by_hand():
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5])
     groups = torch.tensor([7, 7, 3, 3, 9])
