@@ -4,7 +4,8 @@
 # tokens, bf16, vLLM 0.26 with the fitted KV cache, the GPU defaults' micro-batch: 32 at ZeRO-2, 64 at ZeRO-3).
 # From the project root, with the kits of the GPU machine's README on the path and GSM8K's jsonl in $GSM8K_DIR:
 #   bash results/reference/h200x2-ckpt-20261126/session.sh frontier CASES [STEPS]  # checkpoint-layers.yaml's
-#        CASES (globs), one after another in matrix order, STEPS each (default 6)
+#        CASES (globs), one after another in matrix order, STEPS each (default 6); $FRONTIER_MATRIX: another
+#        matrix file of the same kind instead
 #   bash results/reference/h200x2-ckpt-20261126/session.sh ref MATRIX CASES [STEPS]  # a shipped matrix at the
 #        GPU defaults, STEPS each (default 10), with bare-DeepSpeed floors
 set -uo pipefail
@@ -17,7 +18,7 @@ step=${1:-}; shift || true
 case $step in
 frontier)
   cases=$1; steps=${2:-6}; tag=${cases//[^a-z0-9]/}
-  RUN_BUDGET_S=${RUN_BUDGET_S:-540} RUN_TAG=$tag bash $g run $here/checkpoint-layers.yaml "$cases" "$steps" \
+  RUN_BUDGET_S=${RUN_BUDGET_S:-540} RUN_TAG=$tag bash $g run "${FRONTIER_MATRIX:-$here/checkpoint-layers.yaml}" "$cases" "$steps" \
     --set rollout.backend=vllm 2>&1 | tee "$out/frontier-$tag.log"
   ;;
 ref)
