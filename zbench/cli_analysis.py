@@ -228,7 +228,8 @@ def estimate(
         raise _fail(str(e)) from None
     width = max(len(e.case) for e, *_ in rows) + 2
     typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>15}"
-               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'peak GB':>9}{'fits':>6}"
+               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'critic GB':>11}{'peak GB':>9}"
+               f"{'fits':>6}"
                f"{'fit micro':>11}{'fit ckpt':>10}")
     for e, g, cuda, fit in rows:
         fits = ("yes" if g.peak_bytes <= gpu_bytes else "no") if cuda and gpu_bytes else "?" if cuda else "-"
@@ -236,11 +237,13 @@ def estimate(
         typer.echo(f"{e.case:<{width}}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<24}{e.world_size:>6}"
                    f"{e.precision:>10}{e.n_params:>15,}{e.gpu_bytes / GIB:>11.2f}{e.cpu_bytes / GIB:>9.2f}"
                    f"{e.nvme_bytes / GIB:>9.2f}{max(g.training, g.forward) / GIB:>11.2f}{g.kv_cache / GIB:>8.2f}"
-                   f"{g.peak_gb:>9.2f}{fits:>6}{plain:>11}{ckpt:>10}")
+                   f"{g.critic / GIB:>11.2f}{g.peak_gb:>9.2f}{fits:>6}{plain:>11}{ckpt:>10}")
     typer.echo("per rank: states = model states on the device (host memory when the case trains on CPU); host / NVMe = "
                "states offloaded there; passes = the largest training or gradient-free micro-batch's activations and "
-               "logits (upper bound: full-length sequences); KV = vLLM's cache; peak = states + the larger of passes "
-               "and KV (vLLM sleeps, its cache released, while the model trains; on CPU: the host, every rank). "
+               "logits (upper bound: full-length sequences); KV = vLLM's cache; critic = PPO's critic's largest pass, "
+               "which its process keeps cached on a GPU while the actor trains and vLLM generates; peak = states + "
+               "critic + the larger of passes and KV (vLLM sleeps, its cache released, while the model trains; on "
+               "CPU: the host, every rank, the critic's passes counted among the passes). "
                "precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
     if any(cuda for _, _, cuda, _ in rows):
         typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU; fit micro / fit ckpt: the largest "

@@ -37,13 +37,20 @@ class GeometryMemory:
     training: int  # the largest training micro-batch's activations and logits
     forward: int  # the largest gradient-free micro-batch's logits and one layer's working set
     kv_cache: int  # vLLM's KV cache on this rank
+    critic: int = 0  # on a GPU, the critic's largest pass, which its process keeps cached through the others
 
     @property
     def peak_bytes(self) -> int:
-        """States plus the largest of the terms that come one after another: the training micro-batch, the
-        gradient-free one, and vLLM's KV cache, which the engine releases (sleeping) before training takes the
-        memory back (measured: `perf/device_memory_gen_gb` against `perf/device_memory_train_gb`)."""
-        return self.states + max(self.training, self.forward, self.kv_cache)
+        """States, the critic's cached pass, and the largest of the terms that come one after another: the
+        training micro-batch, the gradient-free one, and vLLM's KV cache, which the engine releases (sleeping)
+        before training takes the memory back (measured: `perf/device_memory_gen_gb` against
+        `perf/device_memory_train_gb`).
+
+        The critic trains in a process of its own, whose allocator keeps the blocks of its largest pass while the
+        actor trains and vLLM generates: measured on 2 x H200 at the reference PPO config, each decoder layer that
+        keeps its activations added about 2.8 GB to the training phase, actor and critic together, and the
+        generation phase grew by the critic's share (results/reference/h200x2-ppo-20261126)."""
+        return self.states + self.critic + max(self.training, self.forward, self.kv_cache)
 
     @property
     def peak_gb(self) -> float:
@@ -107,10 +114,12 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     training = train(cfg.actor.micro_batch_size_per_gpu, True)
     forward_actor = cfg.actor.forward_micro_batch_size_per_gpu or cfg.actor.micro_batch_size_per_gpu
     forward = forward_actor * seq * layer + logits(forward_actor)
+    critic = 0
     if cfg.needs_critic:
-        training = max(training, train(cfg.critic.micro_batch_size_per_gpu, False))
         forward_critic = cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.micro_batch_size_per_gpu
-        forward = max(forward, forward_critic * seq * layer)
+        critic = max(train(cfg.critic.micro_batch_size_per_gpu, False), forward_critic * seq * layer)
+        if not on_cuda:  # a host allocator gives large blocks back: the critic's passes take turns with the actor's
+            training, forward, critic = max(training, critic), max(forward, forward_critic * seq * layer), 0
     kv = 0
     backend_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_cuda)
     if on_cuda and backend_vllm:
@@ -128,7 +137,7 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     if not on_cuda:  # every rank's states and passes live in the one host's memory
         ranks = cfg.trainer.world_size
         return GeometryMemory(states=states * ranks, training=training * ranks, forward=forward * ranks, kv_cache=0)
-    return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv)
+    return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv, critic=critic)
 
 
 def largest_fitting_micro(cfg: RunConfig, checkpointing: bool, device_bytes: int, dims: ModelDims | None = None
