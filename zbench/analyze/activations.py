@@ -117,9 +117,11 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     critic = 0
     if cfg.needs_critic:
         forward_critic = cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.micro_batch_size_per_gpu
-        critic = max(train(cfg.critic.micro_batch_size_per_gpu, False), forward_critic * seq * layer)
-        if not on_cuda:  # a host allocator gives large blocks back: the critic's passes take turns with the actor's
-            training, forward, critic = max(training, critic), max(forward, forward_critic * seq * layer), 0
+        critic_training, critic_forward = train(cfg.critic.micro_batch_size_per_gpu, False), forward_critic * seq * layer
+        if on_cuda:
+            critic = max(critic_training, critic_forward)
+        else:  # a host allocator gives large blocks back: the critic's passes take turns with the actor's
+            training, forward = max(training, critic_training), max(forward, critic_forward)
     kv = 0
     backend_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_cuda)
     if on_cuda and backend_vllm:
