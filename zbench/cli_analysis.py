@@ -228,9 +228,8 @@ def estimate(
         raise _fail(str(e)) from None
     width = max(len(e.case) for e, *_ in rows) + 2
     typer.echo(f"{'case':<{width}}{'algo':>5}{'stage':>6} {'offload':<24}{'ranks':>6}{'precision':>10}{'params':>15}"
-               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'critic GB':>11}{'peak GB':>9}"
-               f"{'fits':>6}"
-               f"{'fit micro':>11}{'fit ckpt':>10}")
+               f"{'states GB':>11}{'host GB':>9}{'NVMe GB':>9}{'passes GB':>11}{'KV GB':>8}{'critic GB':>11}"
+               f"{'peak GB':>9}{'fits':>6}{'fit micro':>11}{'fit ckpt':>10}")
     for e, g, cuda, fit in rows:
         fits = ("yes" if g.peak_bytes <= gpu_bytes else "no") if cuda and gpu_bytes else "?" if cuda else "-"
         plain, ckpt = (("none" if m is None else str(m)) for m in fit) if fit else ("-", "-")

@@ -117,7 +117,8 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     critic = 0
     if cfg.needs_critic:
         forward_critic = cfg.critic.forward_micro_batch_size_per_gpu or cfg.critic.micro_batch_size_per_gpu
-        critic_training, critic_forward = train(cfg.critic.micro_batch_size_per_gpu, False), forward_critic * seq * layer
+        critic_training = train(cfg.critic.micro_batch_size_per_gpu, False)
+        critic_forward = forward_critic * seq * layer
         if on_cuda:
             critic = max(critic_training, critic_forward)
         else:  # a host allocator gives large blocks back: the critic's passes take turns with the actor's
