@@ -63,7 +63,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     PPO: actor, critic, optimizer states, data position and sampling all restored). The uninterrupted run profiles
     step 3, which must change none of its numbers and must leave a profile per worker. The resumed case updates
     its critic beside its actor (`trainer.critic_update` concurrent), which must change none of them either: every
-    step of it equals the serial run's."""
+    step of it equals the serial run's. So must a critic update behind the next step's rollout (overlap), where a
+    step's record waits for its critic update: a crash before step 4 still records step 3, whose update is in."""
     knobs = dict(algorithm="ppo", zero__stage=3, zero__offload="cpu", trainer__save_freq=2,
                  actor__use_kl_loss=True, actor__recompute_old_log_prob="always")  # every phase runs
     full = make_case(tmp_path, "full", steps=3, trainer__profile_step=3, **knobs)
@@ -89,6 +90,22 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     # concurrent: the critic's own time, and the wait for it after the actor's update and weight push
     assert all(r["timing_s/update_critic"] > 0 and r["timing_s/critic_wait"] >= 0 for r in b)
     assert all("timing_s/critic_wait" not in r for r in a)
+
+    behind = make_case(tmp_path, "behind", steps=4, trainer__critic_update="overlap", trainer__fault="crash@4",
+                       **{**knobs, "trainer__save_freq": 0})
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(behind)], capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode != 0 and "injected fault: crash at step 4" in res.stdout + res.stderr
+    c = records(behind)
+    assert [r["step"] for r in c] == [1, 2, 3]
+    for ra, rc in zip(a, c, strict=True):
+        for key in ra:
+            if key.startswith(("timing_s/", "perf/")) or key == "time":
+                continue
+            assert rc[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    # each step's critic update ran behind the next rollout: its own time in its record, the wait in the next's
+    assert all(r["timing_s/update_critic"] > 0 for r in c)
+    assert "timing_s/critic_wait" not in c[0] and all(r["timing_s/critic_wait"] >= 0 for r in c[1:])
 
 
 def check_profiles(case: Path, step: int) -> None:

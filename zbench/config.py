@@ -346,9 +346,11 @@ class TrainerConfig:
     # gradient-free passes, for an update only where its loss is the mini-batch's token mean (loss_agg token-mean),
     # which no grouping changes
     sort_micro_batches: bool = True
-    # PPO: when the critic's update runs: serial (after the values, before the actor's update) or concurrent (beside
-    # the actor's update and weight push, each rank's two processes sharing its GPU, so no actor MFU is recorded);
-    # both give the same numbers, since neither update reads what the other writes
+    # PPO: when the critic's update runs: serial (after the values, before the actor's update), concurrent (beside
+    # the actor's update and weight push, each rank's two processes sharing its GPU, so no actor MFU is recorded) or
+    # overlap (behind the next step's rollout, which never reads the critic; that step waits for it before its
+    # values, and a step's record is written once its critic update is in); all give the same numbers, since no
+    # update reads what another writes before it is done
     critic_update: str = "serial"
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)
@@ -391,7 +393,7 @@ class TrainerConfig:
 
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
-CRITIC_UPDATE_MODES = ("serial", "concurrent")
+CRITIC_UPDATE_MODES = ("serial", "concurrent", "overlap")
 
 
 ALGORITHMS = ("ppo", "grpo")

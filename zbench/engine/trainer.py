@@ -5,7 +5,10 @@ where the update's own forward gives them exactly) -> reference log-probs (ref) 
 (adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
 is timed as `timing_s/<phase>`. With `trainer.critic_update` concurrent, the critic's update runs beside the
 actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
-`timing_s/critic_wait` what of it was left when the weights were in.
+`timing_s/critic_wait` what of it was left when the weights were in. With `overlap`, it runs behind the next
+step's rollout (generation, reward, the actor's and the reference's passes), which never reads the critic, and the
+next step waits for it before its values (`timing_s/critic_wait`, in that step's record); a step's record is written
+once its critic update is in, so it always holds that update's statistics.
 
     python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +92,32 @@ def mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
+def merge_memory(policy: list[dict[str, float]], critic: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each rank's memory report over its actor's and critic's processes: per-process figures add up; the
+    device-wide ones (`device_*`) are of the same GPU, so the larger stands."""
+    out = [dict(m) for m in policy]
+    for rank, m in enumerate(critic):
+        for k, v in m.items():
+            prev = out[rank].get(k, 0.0)
+            out[rank][k] = max(prev, v) if k.startswith("device_") else prev + v
+    return out
+
+
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": x.float().mean().item(), f"{prefix}/max": x.float().max().item(),
             f"{prefix}/min": x.float().min().item()}
+
+
+@dataclass
+class HeldStep:
+    """A step whose critic update runs behind the next step's rollout (`trainer.critic_update` overlap): its
+    record waits for that update's statistics, its time and the critic's memory."""
+
+    step: int
+    runs: list[Any]  # the critic's update on each rank (`WorkerGroup.submit_sharded`)
+    metrics: dict[str, float]  # the step's own, the critic's update aside
+    policy_memory: list[dict[str, float]]  # the actor's processes' memory report of the step, per rank
+    done: bool = False
 
 
 class Trainer:
@@ -118,6 +145,9 @@ class Trainer:
         self.records = Records(case_dir, console="console" in self.cfg.trainer.logger)
         self.plan = self.cfg.batch_plan()
         self.timing: dict[str, float] = {}
+        self.held: HeldStep | None = None  # trainer.critic_update overlap: the step waiting for its critic update
+        self._critic_behind: list[Any] | None = None  # the critic update this step leaves behind it
+        self._policy_memory: list[dict[str, float]] = []  # this step's memory report of the actor's processes
 
     @contextmanager
     def _timed(self, phase: str):
@@ -206,6 +236,9 @@ class Trainer:
             with self._timed("ref"):
                 batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))
         if self.critic:
+            if self.held is not None and not self.held.done:  # the step before's critic update, behind this rollout
+                with self._timed("critic_wait"):
+                    self._complete_held()
             with self._timed("values"):
                 batch.update(gather(self.critic.call_sharded("compute_values", shard(pick(batch, *fwd_keys), dp))))
 
@@ -225,11 +258,12 @@ class Trainer:
         batch["step_tokens"] = mini_batch_tokens(r_mask, dp, self.cfg.batch_plan().mini_batch_sequences // dp)
 
         critic_runs: list[Any] = []  # the critic's update, running beside the actor's (trainer.critic_update)
+        behind = self._critic_update_behind(step)
         if self.critic:
             critic_shards = shard(pick(batch, *fwd_keys, "values", "returns", "step_tokens"), dp)
             if cfg.trainer.critic_update == "concurrent":
                 critic_runs = self.critic.submit_sharded("update_critic", critic_shards)
-            else:
+            elif not behind:
                 with self._timed("update_critic"):
                     metrics.update(self._critic_stats(self.critic.call_sharded("update_critic", critic_shards)))
         actor_keys = ((*fwd_keys, "advantages", "step_tokens") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
@@ -252,6 +286,8 @@ class Trainer:
             metrics.update(self._critic_stats(outs))
             # the critic's own time, beside the actor's: ranks' slowest
             self.timing["timing_s/update_critic"] = max(out["seconds"] for out in outs)
+        if behind:  # started last, so nothing of this step waits on it: the next step's values do
+            self._critic_behind = self.critic.submit_sharded("update_critic", critic_shards)
         self.timing["timing_s/step"] = time.perf_counter() - t0
         if profiled:
             metrics["perf/profiled"] = 1.0  # slower than the others: step means leave it out
@@ -259,10 +295,66 @@ class Trainer:
 
         metrics.update(self._batch_metrics(batch, scores, rewards, adv, ret))
         metrics.update(self.timing)
+        mems = self.policy.call("memory")
+        self._policy_memory = [dict(m) for m in mems]
+        if self.critic and not behind:  # a critic still updating reports its memory once it is done
+            mems = merge_memory(mems, self.critic.call("memory"))
         metrics.update(self._perf_metrics(batch))
+        metrics.update(self._memory_metrics(mems))
         for i in range(min(cfg.trainer.log_samples, len(texts))):
             print(f"[sample] score={scores[i].item():g} truth={truths[i]} response={texts[i]!r}", flush=True)
         return metrics
+
+    def _critic_update_behind(self, step: int) -> bool:
+        """Whether this step's critic update runs behind the next step's rollout (`trainer.critic_update` overlap):
+        never on the last step, a checkpoint's (which saves the updated critic) or next to a profiled one (whose
+        profile would hold the other step's update)."""
+        t = self.cfg.trainer
+        return (self.critic is not None and t.critic_update == "overlap" and step < self.cfg.steps
+                and not (t.save_freq and step % t.save_freq == 0) and t.profile_step not in (step, step + 1))
+
+    def _complete_held(self, timeout: float | None = None) -> None:
+        """Wait for the held step's critic update and add its statistics, its time (ranks' slowest) and the
+        critic's memory report to the held step's metrics."""
+        import ray
+
+        held = self.held
+        assert held is not None and self.critic is not None
+        outs = ray.get(held.runs, timeout=timeout)
+        held.metrics.update(self._critic_stats(outs))
+        held.metrics["timing_s/update_critic"] = max(out["seconds"] for out in outs)
+        held.metrics.update(self._memory_metrics(merge_memory(held.policy_memory, self.critic.call("memory"))))
+        held.done = True
+
+    def _record(self, step: int, metrics: dict[str, float], trackers: Trackers) -> None:
+        """Record the step, or hold its record while its critic update runs behind the next step's rollout;
+        first the held step before it, whose critic update this step waited for."""
+        if self.held is not None:
+            if not self.held.done:
+                self._complete_held()
+            trackers.log(self.held.step, self.records.step(self.held.step, self.held.metrics))
+            self.held = None
+        if self._critic_behind is not None:
+            self.held = HeldStep(step, self._critic_behind, metrics, self._policy_memory)
+            self._critic_behind = None
+            self.records.beat()
+        else:
+            trackers.log(step, self.records.step(step, metrics))
+
+    def _record_held_after_failure(self, trackers: Trackers) -> None:
+        """A step failed while the step before it was held: that step is recorded if its critic update finishes
+        within a minute (it never reads what the failed step did); otherwise it stays unrecorded, as unfinished."""
+        held = self.held
+        if held is None:
+            return
+        try:
+            if not held.done:
+                self._complete_held(timeout=60)
+            trackers.log(held.step, self.records.step(held.step, held.metrics))
+        except Exception as err:
+            print(f"[zbench] step {held.step} not recorded: its critic update did not finish ({err!r})", flush=True)
+        finally:
+            self.held = None
 
     @staticmethod
     def _critic_stats(outs: list[dict[str, float]]) -> dict[str, float]:
@@ -294,17 +386,9 @@ class Trainer:
             out["critic/values/mean"] = algos.masked_mean(batch["values"], mask).item()
         return out
 
-    def _perf_metrics(self, batch: dict) -> dict[str, float]:
-        dp = self.cfg.trainer.world_size
-        tokens = int(batch["attention_mask"].sum())
-        out = {"perf/total_num_tokens": float(tokens),
-               "perf/throughput": tokens / (self.timing["timing_s/step"] * dp)}
-        mems = self.policy.call("memory")
-        if self.critic:
-            for rank, m in enumerate(self.critic.call("memory")):
-                for k, v in m.items():  # per-process figures add up; the device-wide one is the same GPU
-                    prev = mems[rank].get(k, 0.0)
-                    mems[rank][k] = max(prev, v) if k.startswith("device_") else prev + v
+    def _memory_metrics(self, mems: list[dict[str, float]]) -> dict[str, float]:
+        """The step's memory metrics from each rank's memory report (its processes' merged)."""
+        out: dict[str, float] = {}
         if self.on_cuda:
             out["perf/max_memory_allocated_gb"] = max(m["allocated_gb"] for m in mems)
             out["perf/max_memory_reserved_gb"] = max(m["reserved_gb"] for m in mems)
@@ -315,6 +399,13 @@ class Trainer:
         rss = sum(m["rss_gb"] for m in mems) + psutil.Process().memory_info().rss / 2**30
         out["perf/cpu_memory_used_gb"] = rss
         out["perf/gc_pause_s"] = max(m["gc_pause_s"] for m in mems)  # a rank's workers pause one after another
+        return out
+
+    def _perf_metrics(self, batch: dict) -> dict[str, float]:
+        dp = self.cfg.trainer.world_size
+        tokens = int(batch["attention_mask"].sum())
+        out = {"perf/total_num_tokens": float(tokens),
+               "perf/throughput": tokens / (self.timing["timing_s/step"] * dp)}
         peak = peak_flops(self.info.get("gpu_name"))
         # beside the critic's update (trainer.critic_update concurrent) the actor's shares its GPU: its time is not
         # the actor's alone, and no actor MFU is recorded
@@ -410,9 +501,15 @@ class Trainer:
         try:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
+            self.held = self._critic_behind = None
             for step in range(start_step + 1, cfg.steps + 1):
-                maybe_inject(self, step)  # trainer.fault, first attempt only
-                trackers.log(step, self.records.step(step, self.step(step)))
+                try:
+                    maybe_inject(self, step)  # trainer.fault, first attempt only
+                    metrics = self.step(step)
+                except Exception:
+                    self._record_held_after_failure(trackers)
+                    raise
+                self._record(step, metrics, trackers)
                 if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
                     self.save(step)
             completed = True
