@@ -146,6 +146,7 @@ class Trainer:
         self.plan = self.cfg.batch_plan()
         self.timing: dict[str, float] = {}
         self.held: HeldStep | None = None  # trainer.critic_update overlap: the step waiting for its critic update
+        self.first_step = 1  # of this run (after a resume, the step after its checkpoint's)
         self._critic_behind: list[Any] | None = None  # the critic update this step leaves behind it
         self._policy_memory: list[dict[str, float]] = []  # this step's memory report of the actor's processes
 
@@ -307,10 +308,11 @@ class Trainer:
 
     def _critic_update_behind(self, step: int) -> bool:
         """Whether this step's critic update runs behind the next step's rollout (`trainer.critic_update` overlap):
-        never on the last step, a checkpoint's (which saves the updated critic) or next to a profiled one (whose
-        profile would hold the other step's update)."""
+        never on the first step of a run (its update compiles kernels and grows memory pools, which the next step
+        would carry instead: on 2 x H200 the second step took 10.6 s), the last, a checkpoint's (which saves the
+        updated critic) or next to a profiled one (whose profile would hold the other step's update)."""
         t = self.cfg.trainer
-        return (self.critic is not None and t.critic_update == "overlap" and step < self.cfg.steps
+        return (self.critic is not None and t.critic_update == "overlap" and self.first_step < step < self.cfg.steps
                 and not (t.save_freq and step % t.save_freq == 0) and t.profile_step not in (step, step + 1))
 
     def _complete_held(self, timeout: float | None = None) -> None:
@@ -502,6 +504,7 @@ class Trainer:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             self.held = self._critic_behind = None
+            self.first_step = start_step + 1
             for step in range(start_step + 1, cfg.steps + 1):
                 try:
                     maybe_inject(self, step)  # trainer.fault, first attempt only
