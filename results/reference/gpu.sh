@@ -17,7 +17,9 @@
 # reference config (Qwen3-0.6B shape, GSM8K prompts, 64 prompts per step, 512 new tokens, bf16, actor lr 1e-6,
 # critic lr 1e-5; batch geometry: the GPU defaults, `zbench.config.cuda_defaults`) and stops itself after
 # $RUN_BUDGET_S seconds (default 540) with SIGINT, so the run root is closed properly (unfinished cases
-# recorded as interrupted) and packed even when time runs out; $STEP_TIMEOUT_S (default 400) stops a hung case.
+# recorded as interrupted) and packed even when time runs out; with $RUN_UNTIL (an epoch second: the end of the
+# call) sooner where that leaves a minute to close and pack it, however long the set-up before took;
+# $STEP_TIMEOUT_S (default 400) stops a hung case.
 # With FLOOR=1, `run` then measures the bare-DeepSpeed floors of the cases it ran (`zbench bench floor --like`,
 # ~1 min per floor, outside RUN_BUDGET_S, bounded by $FLOOR_BUDGET_S (default 900) and by the epoch second
 # $FLOOR_UNTIL if set) into the run root's floors.jsonl, so `zbench report` sets the phases against floors from
@@ -61,7 +63,13 @@ floor)  # every stage in "$1" with every offload in "$2", one after another in t
 run)
   matrix=$1; cases=$2; steps=$3; shift 3
   tag=gpu-$(basename "$matrix" .yaml)${RUN_TAG:+-$RUN_TAG}  # a shipped matrix by name, or a matrix file
-  timeout -s INT -k 30 "${RUN_BUDGET_S:-540}" python3 -m zbench run "$matrix" --cases "$cases" --steps "$steps" \
+  budget=${RUN_BUDGET_S:-540}
+  if [ -n "${RUN_UNTIL:-}" ] && [ $(( RUN_UNTIL - $(date +%s) - 60 )) -lt "$budget" ]; then
+    budget=$(( RUN_UNTIL - $(date +%s) - 60 ))
+  fi
+  if [ "$budget" -lt 30 ]; then echo "no time left for the run: $budget s before RUN_UNTIL's minute" >&2; exit 1; fi
+  echo "run budget: $budget s"
+  timeout -s INT -k 30 "$budget" python3 -m zbench run "$matrix" --cases "$cases" --steps "$steps" \
     --seed 7777 --results-dir /tmp/zbench-results --tag "$tag" --retries 0 --step-timeout "${STEP_TIMEOUT_S:-400}" \
     --set model.path=qwen3-0.6b --set trainer.world_size="$(ngpu)" \
     --set data.train_files=/tmp/zbench-gsm8k/train.parquet --set data.max_prompt_length=512 \

@@ -8,6 +8,7 @@
 #        matrix file of the same kind instead
 #   bash results/reference/h200x2-ckpt-20261126/session.sh ref MATRIX CASES [STEPS]  # a shipped matrix at the
 #        GPU defaults, STEPS each (default 10), with bare-DeepSpeed floors
+# $RUN_UNTIL (epoch second, the end of the call) stops a run in time to pack it (results/reference/gpu.sh).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 g=results/reference/gpu.sh
