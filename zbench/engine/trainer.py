@@ -7,8 +7,10 @@ is timed as `timing_s/<phase>`. With `trainer.critic_update` concurrent, the cri
 actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
 `timing_s/critic_wait` what of it was left when the weights were in. With `overlap`, it runs behind the next
 step's rollout (generation, reward, the actor's and the reference's passes), which never reads the critic, and the
-next step waits for it before its values (`timing_s/critic_wait`, in that step's record); a step's record is written
-once its critic update is in, so it always holds that update's statistics.
+next step waits for it before its values; a step's record is written once its critic update is in (during the next
+step), so it always holds that update's statistics. In overlap, `timing_s/critic_wait` is all of the critic's update
+that a step waited for: the step before's update left when its values were due, plus its own where it updates in
+turns (a run's first and last step, a checkpoint's, a profiled one's), so the phases add up to the step.
 
     python -m zbench.engine results/<run>/<case>      # reads <case>/config.yaml
 """
@@ -117,7 +119,6 @@ class HeldStep:
     runs: list[Any]  # the critic's update on each rank (`WorkerGroup.submit_sharded`)
     metrics: dict[str, float]  # the step's own, the critic's update aside
     policy_memory: list[dict[str, float]]  # the actor's processes' memory report of the step, per rank
-    done: bool = False
 
 
 class Trainer:
@@ -147,6 +148,8 @@ class Trainer:
         self.timing: dict[str, float] = {}
         self.held: HeldStep | None = None  # trainer.critic_update overlap: the step waiting for its critic update
         self.first_step = 1  # of this run (after a resume, the step after its checkpoint's)
+        self._longest_critic_update = 0.0  # seconds, of this run: bounds the wait for a held step after a failure
+        self._trackers: Trackers | None = None
         self._critic_behind: list[Any] | None = None  # the critic update this step leaves behind it
         self._policy_memory: list[dict[str, float]] = []  # this step's memory report of the actor's processes
 
@@ -176,8 +179,9 @@ class Trainer:
         critic = self.cfg.needs_critic
         self.placement = Placement(t.world_size, self.on_cuda, groups_per_bundle=2 if critic else 1)
         # CPU workers take the configured threads; a GPU rank takes its host's share of the cores, which CPU Adam
-        # needs when offloading: all of it for each of its workers where they take turns, half where the actor and
-        # the critic update at the same time (trainer.critic_update concurrent)
+        # needs when offloading: all of it for each of its workers where they take turns or the critic's update runs
+        # beside the rollout (overlap: generation's host work is one thread's), half where the actor and the critic
+        # update at the same time (trainer.critic_update concurrent)
         threads = t.torch_threads
         if self.on_cuda:
             share = cpu_threads_per_rank(min(t.world_size, torch.cuda.device_count()))
@@ -219,6 +223,7 @@ class Trainer:
             tp = cfg.rollout.tensor_parallel_size
             prompts = rollout_shards({"input_ids": p_ids, "attention_mask": p_mask}, dp, tp)
             gen = rollout_outputs(self.policy.call_sharded("generate", prompts, step), tp)
+        self._settle_held(block=False)  # the step before's critic update mostly finishes within the rollout
         responses, r_mask = gen["responses"], gen["response_mask"]
         batch = sequence_batch(p_ids, p_mask, responses, r_mask)
         if "rollout_log_probs" in gen:
@@ -237,9 +242,7 @@ class Trainer:
             with self._timed("ref"):
                 batch.update(gather(self.policy.call_sharded("compute_ref_log_prob", shard(pick(batch, *fwd_keys), dp))))
         if self.critic:
-            if self.held is not None and not self.held.done:  # the step before's critic update, behind this rollout
-                with self._timed("critic_wait"):
-                    self._complete_held()
+            self._settle_held(block=True)  # the step before's critic update, behind this rollout
             with self._timed("values"):
                 batch.update(gather(self.critic.call_sharded("compute_values", shard(pick(batch, *fwd_keys), dp))))
 
@@ -267,6 +270,9 @@ class Trainer:
             elif not behind:
                 with self._timed("update_critic"):
                     metrics.update(self._critic_stats(self.critic.call_sharded("update_critic", critic_shards)))
+                self._longest_critic_update = max(self._longest_critic_update, self.timing["timing_s/update_critic"])
+                if cfg.trainer.critic_update == "overlap":  # in turns this step: all of it waited for
+                    self._add_critic_wait(self.timing["timing_s/update_critic"])
         actor_keys = ((*fwd_keys, "advantages", "step_tokens") + (("old_log_probs",) if cfg.old_log_prob_pass else ())
                       + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
         with self._timed("update_actor"):
@@ -287,8 +293,11 @@ class Trainer:
             metrics.update(self._critic_stats(outs))
             # the critic's own time, beside the actor's: ranks' slowest
             self.timing["timing_s/update_critic"] = max(out["seconds"] for out in outs)
-        if behind:  # started last, so nothing of this step waits on it: the next step's values do
-            self._critic_behind = self.critic.submit_sharded("update_critic", critic_shards)
+        if behind:  # started last, so nothing of this step waits on it: the next step's values do; the critic
+            # reports its memory at the end of the update, as nothing may call it before the update is done
+            self._critic_behind = self.critic.submit_sharded("update_critic", critic_shards, True)
+        if self.critic and cfg.trainer.critic_update == "overlap":
+            self._add_critic_wait(0.0)
         self.timing["timing_s/step"] = time.perf_counter() - t0
         if profiled:
             metrics["perf/profiled"] = 1.0  # slower than the others: step means leave it out
@@ -315,46 +324,68 @@ class Trainer:
         return (self.critic is not None and t.critic_update == "overlap" and self.first_step < step < self.cfg.steps
                 and not (t.save_freq and step % t.save_freq == 0) and t.profile_step not in (step, step + 1))
 
-    def _complete_held(self, timeout: float | None = None) -> None:
-        """Wait for the held step's critic update and add its statistics, its time (ranks' slowest) and the
-        critic's memory report to the held step's metrics."""
+    def _add_critic_wait(self, seconds: float) -> None:
+        key = "timing_s/critic_wait"
+        self.timing[key] = self.timing.get(key, 0.0) + seconds
+
+    def _settle_held(self, block: bool) -> None:
+        """Record the held step once its critic update is in: waiting for it (`block`, timed as this step's
+        `critic_wait`), or only if it already is."""
+        import ray
+
+        if self.held is None or (not block and ray.wait(self.held.runs, num_returns=len(self.held.runs),
+                                                         timeout=0)[1]):
+            return
+        start = time.perf_counter()
+        self._write_held()
+        self._add_critic_wait(time.perf_counter() - start)
+
+    def _write_held(self, timeout: float | None = None) -> None:
+        """Wait for the held step's critic update (up to `timeout` s), add its statistics, its time (ranks'
+        slowest) and the critic's memory report to the held step's metrics, and record the step."""
         import ray
 
         held = self.held
-        assert held is not None and self.critic is not None
+        assert held is not None and self._trackers is not None
+        self.held = None
         outs = ray.get(held.runs, timeout=timeout)
+        critic_memory = [out.pop("memory") for out in outs]
         held.metrics.update(self._critic_stats(outs))
         held.metrics["timing_s/update_critic"] = max(out["seconds"] for out in outs)
-        held.metrics.update(self._memory_metrics(merge_memory(held.policy_memory, self.critic.call("memory"))))
-        held.done = True
+        self._longest_critic_update = max(self._longest_critic_update, held.metrics["timing_s/update_critic"])
+        held.metrics.update(self._memory_metrics(merge_memory(held.policy_memory, critic_memory)))
+        self._trackers.log(held.step, self.records.step(held.step, held.metrics))
 
-    def _record(self, step: int, metrics: dict[str, float], trackers: Trackers) -> None:
-        """Record the step, or hold its record while its critic update runs behind the next step's rollout;
-        first the held step before it, whose critic update this step waited for."""
-        if self.held is not None:
-            if not self.held.done:
-                self._complete_held()
-            trackers.log(self.held.step, self.records.step(self.held.step, self.held.metrics))
-            self.held = None
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the step, or hold its record while its critic update runs behind the next step's rollout."""
+        assert self._trackers is not None
+        if self.held is not None:  # not settled by this step (it ran no values): its update is in by now
+            self._write_held()
         if self._critic_behind is not None:
             self.held = HeldStep(step, self._critic_behind, metrics, self._policy_memory)
             self._critic_behind = None
             self.records.beat()
         else:
-            trackers.log(step, self.records.step(step, metrics))
+            self._trackers.log(step, self.records.step(step, metrics))
 
-    def _record_held_after_failure(self, trackers: Trackers) -> None:
-        """A step failed while the step before it was held: that step is recorded if its critic update finishes
-        within a minute (it never reads what the failed step did); otherwise it stays unrecorded, as unfinished."""
+    def _record_held_after_failure(self, interrupted: bool) -> None:
+        """A step failed while the step before it was held: that step is still recorded once its critic update is
+        in (it never reads what the failed step did), waiting up to four times the longest critic update so far
+        (a minute at least); after an interrupt, only if it already is."""
+        import ray
+
         held = self.held
         if held is None:
             return
+        wait = 0.0 if interrupted else max(60.0, 4 * self._longest_critic_update)
         try:
-            if not held.done:
-                self._complete_held(timeout=60)
-            trackers.log(held.step, self.records.step(held.step, held.metrics))
+            if interrupted and ray.wait(held.runs, num_returns=len(held.runs), timeout=0)[1]:
+                print(f"[zbench] step {held.step} not recorded: interrupted before its critic update finished",
+                      flush=True)
+                return
+            self._write_held(timeout=wait or None)
         except Exception as err:
-            print(f"[zbench] step {held.step} not recorded: its critic update did not finish ({err!r})", flush=True)
+            print(f"[zbench] step {held.step} not recorded: {err!r}", flush=True)
         finally:
             self.held = None
 
@@ -504,15 +535,15 @@ class Trainer:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
             self.held = self._critic_behind = None
-            self.first_step = start_step + 1
+            self.first_step, self._trackers = start_step + 1, trackers
             for step in range(start_step + 1, cfg.steps + 1):
                 try:
                     maybe_inject(self, step)  # trainer.fault, first attempt only
                     metrics = self.step(step)
-                except Exception:
-                    self._record_held_after_failure(trackers)
+                except BaseException as err:
+                    self._record_held_after_failure(interrupted=not isinstance(err, Exception))
                     raise
-                self._record(step, metrics, trackers)
+                self._record(step, metrics)
                 if cfg.trainer.save_freq and (step % cfg.trainer.save_freq == 0 or step == cfg.steps):
                     self.save(step)
             completed = True

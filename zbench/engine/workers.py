@@ -747,10 +747,12 @@ class CriticWorker(_Worker):
         return {"values": in_row_order(torch.cat(outs).cpu(), order)}  # one copy to the host, as the actor's passes
 
     @phase("update_critic")
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update_critic(self, batch: Batch, report_memory: bool = False) -> dict[str, Any]:
         """Clipped value-loss regression to the returns, over the same mini-batches as the actor. Beside the
         statistics, `seconds`: how long this rank's update took, its results on the host (`trainer.critic_update`
-        concurrent times it here, as the controller meanwhile waits on the actor)."""
+        concurrent and overlap time it here, as the controller meanwhile waits on the actor); with `report_memory`,
+        `memory`: this process's step report (`memory`), taken at the end of the update (overlap, where nothing
+        may call the critic before its update is done)."""
         start = time.perf_counter()
         c = self.cfg.critic
 
@@ -761,5 +763,8 @@ class CriticWorker(_Worker):
             stats["critic/vf_clipfrac"].append(clipfrac.detach())
             return vf_loss
 
-        out = self._train(batch, c.micro_batch_size_per_gpu, c.loss_agg, loss_fn)[0]
-        return {**out, "seconds": time.perf_counter() - start}
+        out: dict[str, Any] = {**self._train(batch, c.micro_batch_size_per_gpu, c.loss_agg, loss_fn)[0],
+                               "seconds": time.perf_counter() - start}
+        if report_memory:
+            out["memory"] = self.memory()
+        return out
