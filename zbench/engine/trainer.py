@@ -120,6 +120,12 @@ class HeldStep:
     metrics: dict[str, float]  # the step's own, the critic's update aside
     policy_memory: list[dict[str, float]]  # the actor's processes' memory report of the step, per rank
 
+    def ready(self) -> bool:
+        """Whether the critic's update is in on every rank (without waiting)."""
+        import ray
+
+        return not ray.wait(self.runs, num_returns=len(self.runs), timeout=0)[1]
+
 
 class Trainer:
     """Drives one case from its directory."""
@@ -150,8 +156,7 @@ class Trainer:
         self.first_step = 1  # of this run (after a resume, the step after its checkpoint's)
         self._longest_critic_update = 0.0  # seconds, of this run: bounds the wait for a held step after a failure
         self._trackers: Trackers | None = None
-        self._critic_behind: list[Any] | None = None  # the critic update this step leaves behind it
-        self._policy_memory: list[dict[str, float]] = []  # this step's memory report of the actor's processes
+        self._behind: HeldStep | None = None  # the step just run, its critic update behind the next rollout
 
     @contextmanager
     def _timed(self, phase: str):
@@ -293,11 +298,11 @@ class Trainer:
             metrics.update(self._critic_stats(outs))
             # the critic's own time, beside the actor's: ranks' slowest
             self.timing["timing_s/update_critic"] = max(out["seconds"] for out in outs)
-        if behind:  # started last, so nothing of this step waits on it: the next step's values do; the critic
+        critic_behind = (  # started last, so nothing of this step waits on it: the next step's values do; the critic
             # reports its memory at the end of the update, as nothing may call it before the update is done
-            self._critic_behind = self.critic.submit_sharded("update_critic", critic_shards, True)
+            self.critic.submit_sharded("update_critic", critic_shards, True) if behind else None)
         if self.critic and cfg.trainer.critic_update == "overlap":
-            self._add_critic_wait(0.0)
+            self.timing.setdefault("timing_s/critic_wait", 0.0)
         self.timing["timing_s/step"] = time.perf_counter() - t0
         if profiled:
             metrics["perf/profiled"] = 1.0  # slower than the others: step means leave it out
@@ -305,10 +310,12 @@ class Trainer:
 
         metrics.update(self._batch_metrics(batch, scores, rewards, adv, ret))
         metrics.update(self.timing)
-        mems = self.policy.call("memory")
-        self._policy_memory = [dict(m) for m in mems]
-        if self.critic and not behind:  # a critic still updating reports its memory once it is done
-            mems = merge_memory(mems, self.critic.call("memory"))
+        policy_memory = self.policy.call("memory")
+        if critic_behind is not None:  # a critic still updating reports its memory once it is done
+            self._behind = HeldStep(step, critic_behind, metrics, policy_memory)
+            mems = policy_memory
+        else:
+            mems = merge_memory(policy_memory, self.critic.call("memory")) if self.critic else policy_memory
         metrics.update(self._perf_metrics(batch))
         metrics.update(self._memory_metrics(mems))
         for i in range(min(cfg.trainer.log_samples, len(texts))):
@@ -331,10 +338,7 @@ class Trainer:
     def _settle_held(self, block: bool) -> None:
         """Record the held step once its critic update is in: waiting for it (`block`, timed as this step's
         `critic_wait`), or only if it already is."""
-        import ray
-
-        if self.held is None or (not block and ray.wait(self.held.runs, num_returns=len(self.held.runs),
-                                                         timeout=0)[1]):
+        if self.held is None or (not block and not self.held.ready()):
             return
         start = time.perf_counter()
         self._write_held()
@@ -358,12 +362,9 @@ class Trainer:
 
     def _record(self, step: int, metrics: dict[str, float]) -> None:
         """Record the step, or hold its record while its critic update runs behind the next step's rollout."""
-        assert self._trackers is not None
-        if self.held is not None:  # not settled by this step (it ran no values): its update is in by now
-            self._write_held()
-        if self._critic_behind is not None:
-            self.held = HeldStep(step, self._critic_behind, metrics, self._policy_memory)
-            self._critic_behind = None
+        assert self._trackers is not None and self.held is None  # the step's values settled the one before
+        if self._behind is not None:
+            self.held, self._behind = self._behind, None
             self.records.beat()
         else:
             self._trackers.log(step, self.records.step(step, metrics))
@@ -372,18 +373,15 @@ class Trainer:
         """A step failed while the step before it was held: that step is still recorded once its critic update is
         in (it never reads what the failed step did), waiting up to four times the longest critic update so far
         (a minute at least); after an interrupt, only if it already is."""
-        import ray
-
         held = self.held
         if held is None:
             return
-        wait = 0.0 if interrupted else max(60.0, 4 * self._longest_critic_update)
         try:
-            if interrupted and ray.wait(held.runs, num_returns=len(held.runs), timeout=0)[1]:
+            if interrupted and not held.ready():
                 print(f"[zbench] step {held.step} not recorded: interrupted before its critic update finished",
                       flush=True)
                 return
-            self._write_held(timeout=wait or None)
+            self._write_held(timeout=None if interrupted else max(60.0, 4 * self._longest_critic_update))
         except Exception as err:
             print(f"[zbench] step {held.step} not recorded: {err!r}", flush=True)
         finally:
@@ -534,7 +532,7 @@ class Trainer:
         try:
             start_step = self.restore()
             print(f"[zbench] workers ready: {self.info}", flush=True)
-            self.held = self._critic_behind = None
+            self.held = self._behind = None
             self.first_step, self._trackers = start_step + 1, trackers
             for step in range(start_step + 1, cfg.steps + 1):
                 try:
