@@ -258,6 +258,16 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
                                                  ("rollout.gpu_memory_utilization", 0.3)], device_defaults=True)[0]
     assert ppo.config.actor.micro_batch_size_per_gpu == 8 and ppo.config.critic.micro_batch_size_per_gpu == 32
     assert not ppo.config.rollout.kv_cache_fit and ppo.config.critic.forward_micro_batch_size_per_gpu == 32
+    # PPO's critic updates behind the next rollout where that was measured faster (ZeRO-1/2, nothing offloaded), in
+    # turns elsewhere and wherever a case names it; GRPO has no critic to move
+    modes = {c.name: c.config.trainer.critic_update for c in expand(load_matrix("six-case"), sets=ref, device_defaults=True)}
+    assert modes == {"zero1_no_offload": "overlap", "zero2_no_offload": "overlap", "zero3_no_offload": "serial",
+                     "zero1_cpu_offload": "serial", "zero2_cpu_offload": "serial", "zero3_cpu_offload": "serial"}
+    named = expand(load_matrix("six-case"), sets=[*ref, ("trainer.critic_update", "concurrent")], device_defaults=True)
+    assert {c.config.trainer.critic_update for c in named} == {"concurrent"}
+    assert "trainer.critic_update" not in z2.device_defaults and z2.config.trainer.critic_update == "serial"
+    cpu_ppo = expand(load_matrix("six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)[0]
+    assert cpu_ppo.config.trainer.critic_update == "serial" and cpu_ppo.device_defaults == {}
     # micro-batches divide the rank's share of a mini-batch (here 3 prompts x 4 samples over 2 ranks: 6)
     odd = expand(load_matrix("grpo-six-case"), sets=[("trainer.device", "cuda"), ("trainer.train_batch_size", 3),
                                                      ("actor.ppo_mini_batch_size", 3), ("trainer.world_size", 2)],
