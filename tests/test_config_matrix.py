@@ -10,6 +10,7 @@ import pytest
 
 from zbench.config import (
     ConfigError,
+    critic_overlap_faster,
     dump_yaml,
     effective_offload,
     from_dict,
@@ -258,11 +259,15 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
                                                  ("rollout.gpu_memory_utilization", 0.3)], device_defaults=True)[0]
     assert ppo.config.actor.micro_batch_size_per_gpu == 8 and ppo.config.critic.micro_batch_size_per_gpu == 32
     assert not ppo.config.rollout.kv_cache_fit and ppo.config.critic.forward_micro_batch_size_per_gpu == 32
-    # PPO's critic updates behind the next rollout where that was measured faster (ZeRO-1/2, nothing offloaded), in
-    # turns elsewhere and wherever a case names it; GRPO has no critic to move
+    # PPO's critic updates behind the next rollout where that was measured faster (ZeRO-1/2 with nothing offloaded,
+    # ZeRO-3 with parameters and optimizer on the CPU), in turns elsewhere and wherever a case names it; GRPO has no
+    # critic to move
     modes = {c.name: c.config.trainer.critic_update for c in expand(load_matrix("six-case"), sets=ref, device_defaults=True)}
     assert modes == {"zero1_no_offload": "overlap", "zero2_no_offload": "overlap", "zero3_no_offload": "serial",
-                     "zero1_cpu_offload": "serial", "zero2_cpu_offload": "serial", "zero3_cpu_offload": "serial"}
+                     "zero1_cpu_offload": "serial", "zero2_cpu_offload": "serial", "zero3_cpu_offload": "overlap"}
+    # by what each stage's offload does: `auto` is the CPU's at ZeRO-3; NVMe and ZeRO-0 were not measured
+    assert critic_overlap_faster(3, "auto") and critic_overlap_faster(2, "none")
+    assert not any(critic_overlap_faster(*where) for where in ((3, "nvme"), (2, "nvme"), (1, "auto"), (0, "none")))
     named = expand(load_matrix("six-case"), sets=[*ref, ("trainer.critic_update", "concurrent")], device_defaults=True)
     assert {c.config.trainer.critic_update for c in named} == {"concurrent"}
     assert "trainer.critic_update" not in z2.device_defaults and z2.config.trainer.critic_update == "serial"

@@ -350,7 +350,8 @@ class TrainerConfig:
     # the actor's update and weight push, each rank's two processes sharing its GPU, so no actor MFU is recorded) or
     # overlap (behind the next step's rollout, which never reads the critic; that step waits for it before its
     # values, and a step's record is written once its critic update is in); all give the same numbers, since no
-    # update reads what another writes before it is done. A GPU case takes overlap at ZeRO-1/2 without offload
+    # update reads what another writes before it is done. A GPU case takes overlap at ZeRO-1/2 without offload and
+    # at ZeRO-3 with CPU offload, where it was measured faster
     critic_update: str = "serial"
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)
@@ -540,11 +541,7 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
     if cfg.rollout.backend in ("vllm", "auto") and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
-    # the critic's update behind the next rollout: 0.10-0.15 s a step faster at ZeRO-1 and ZeRO-2 without offload on
-    # 2 x H100 (results/reference/h100x2-overlap-20261126). Where it was not measured faster it stays in turns: at
-    # ZeRO-3 the update gathers parameters all through, and CPU Adam would contend with the rollout's host work
-    if (cfg.needs_critic and cfg.zero.stage in (1, 2)
-            and effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer == "none"):
+    if cfg.needs_critic and critic_overlap_faster(cfg.zero.stage, cfg.zero.offload):
         out["trainer.critic_update"] = "overlap"
     out = {k: v for k, v in out.items() if not named(k)}
     if not named("model.checkpoint_layers") and not named("model.gradient_checkpointing"):
@@ -552,6 +549,20 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         if keep is not None:
             out["model.checkpoint_layers"] = keep
     return out
+
+
+def critic_overlap_faster(stage: int, offload: str) -> bool:
+    """Whether PPO's critic update behind the next rollout (`trainer.critic_update` overlap) was measured faster than
+    in turns at this ZeRO stage and offload, at the same peak (pairs on 2 x H100, the reference config). Faster:
+    ZeRO-1/2 without offload, by 0.10-0.15 s a step (results/reference/h100x2-overlap-20261126), and ZeRO-3 with
+    parameters and optimizer on the CPU, by 0.62 s, where the update it hides takes 0.75 s and the rollout slows by
+    0.2 s (results/reference/h100x2-overlap-offload-20261126). Not faster, so in turns: ZeRO-3 without offload (even)
+    and ZeRO-1/2 with the optimizer on the CPU, where the rollout slows by 0.4-0.6 s beside a 0.61 s update (same
+    folder). NVMe was not measured."""
+    where = effective_offload(stage, offload)
+    if stage in (1, 2):
+        return where.optimizer == "none"
+    return stage == 3 and where.optimizer == "cpu" and where.params == "cpu"
 
 
 def checkpointed_within_peak(cfg: RunConfig) -> int | None:
