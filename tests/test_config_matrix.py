@@ -265,7 +265,8 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
     modes = {c.name: c.config.trainer.critic_update for c in expand(load_matrix("six-case"), sets=ref, device_defaults=True)}
     assert modes == {"zero1_no_offload": "overlap", "zero2_no_offload": "overlap", "zero3_no_offload": "serial",
                      "zero1_cpu_offload": "serial", "zero2_cpu_offload": "serial", "zero3_cpu_offload": "overlap"}
-    # by what each stage's offload does: `auto` is the CPU's at ZeRO-3; NVMe and ZeRO-0 were not measured
+    # by what each offload does at its stage: `auto` is the CPU at ZeRO-3, NVMe the CPU at ZeRO-1/2 (not faster);
+    # NVMe at ZeRO-3 and ZeRO-0 were not measured
     assert critic_overlap_faster(3, "auto") and critic_overlap_faster(2, "none")
     assert not any(critic_overlap_faster(*where) for where in ((3, "nvme"), (2, "nvme"), (1, "auto"), (0, "none")))
     named = expand(load_matrix("six-case"), sets=[*ref, ("trainer.critic_update", "concurrent")], device_defaults=True)
