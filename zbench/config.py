@@ -555,10 +555,10 @@ def critic_overlap_faster(stage: int, offload: str) -> bool:
     """Whether PPO's critic update behind the next rollout (`trainer.critic_update` overlap) was measured faster than
     in turns at this ZeRO stage and offload, at the same peak (pairs on 2 x H100, the reference config). Faster:
     ZeRO-1/2 without offload, by 0.10-0.15 s a step (results/reference/h100x2-overlap-20261126), and ZeRO-3 with
-    parameters and optimizer on the CPU, by 0.62 s, where the update it hides takes 0.75 s and the rollout slows by
-    0.2 s (results/reference/h100x2-overlap-offload-20261126). Not faster, so in turns: ZeRO-3 without offload (even)
-    and ZeRO-1/2 with the optimizer on the CPU, where the rollout slows by 0.4-0.6 s beside a 0.61 s update (same
-    folder). NVMe was not measured."""
+    parameters and optimizer on the CPU, by 0.62 s (0.15 s of it spread in phases overlap does not touch): the update
+    it hides takes 0.75 s and the rollout slows by 0.2 s (results/reference/h100x2-overlap-offload-20261126). Not
+    faster, so in turns: ZeRO-3 without offload (even) and ZeRO-1/2 with the optimizer on the CPU (NVMe there too),
+    where the rollout slows by 0.4-0.6 s beside a 0.61 s update (same folder). NVMe at ZeRO-3 was not measured."""
     where = effective_offload(stage, offload)
     if stage in (1, 2):
         return where.optimizer == "none"
