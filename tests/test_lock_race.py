@@ -3,14 +3,21 @@ other is refused naming the holder. Real processes, many trials."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
+import pytest
+
 from zbench.config import dump_yaml, from_dict
-from zbench.runroot.root import RunRoot
+from zbench.runroot.root import LockError, RunRoot
 
 RACER = """
 import os, sys, time
@@ -55,8 +62,9 @@ def test_exactly_one_of_two_racing_processes_holds_the_lock(tmp_path: Path) -> N
                           environment={})
     trials = 24
     for trial in range(trials):
-        if trial % 2:  # a stale lock, left by a holder that died without releasing it
-            (root.path / "lock").write_text(json.dumps({"pid": dead_pid(), "host": "here", "command": "run"}))
+        if trial % 3:  # a stale lock, left by a holder that died without releasing it, here or on another host
+            host = socket.gethostname() if trial % 3 == 1 else "another-host"
+            (root.path / "lock").write_text(json.dumps({"pid": dead_pid(), "host": host, "command": "run"}))
         outcomes = race(root, trial)
         held = [o for o in outcomes if o.startswith("held")]
         refused = [o for o in outcomes if o.startswith("refused")]
@@ -83,3 +91,36 @@ def test_resume_is_refused_while_a_run_holds_the_root(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_refusal_waits_for_the_details_of_a_holder_that_took_over_another_hosts_stale_lock(
+    tmp_path: Path,
+) -> None:
+    """The instant between a holder's flock and its details: the file still names the stale holder on another
+    host, which can't be checked for life. The refusal names the new holder once it has written; a holder on
+    another host that never rewrites is named after the wait."""
+    root = RunRoot.create(tmp_path, "t", matrix="m", matrix_file=None, seed=1, steps=3, cases=[Case()],
+                          environment={})
+    path = root.path / "lock"
+    path.write_text(json.dumps({"pid": 4321, "host": "another-host", "command": "run"}))
+    fd = os.open(path, os.O_RDWR)
+    details = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": "now",
+               "started_unix": psutil.Process().create_time(), "command": "run"}
+
+    def write_details() -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(details).encode(), 0)
+
+    timer = threading.Timer(0.3, write_details)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken over here; details not written yet
+        timer.start()
+        with pytest.raises(LockError, match=f"in use by pid {os.getpid()} on host {socket.gethostname()}"):
+            root.lock("resume").acquire()
+        timer.join()
+        path.write_text(json.dumps({"pid": 4321, "host": "another-host", "command": "run"}))  # a holder there
+        with pytest.raises(LockError, match="in use by pid 4321 on host another-host"):
+            root.lock("resume").acquire()
+    finally:
+        timer.cancel()
+        os.close(fd)

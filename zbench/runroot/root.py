@@ -225,18 +225,23 @@ class RunLock:
         self.held = False
         self._fd: int | None = None
 
-    def _holder(self, wait_s: float = 2.0) -> dict[str, Any]:
+    def _holder(self, seen: dict[str, Any] | None, wait_s: float = 2.0) -> dict[str, Any]:
         """The holder's details; a holder that has just taken the lock may not have written them yet (the file
-        then is empty, or still names the dead process before it), so wait a moment for them."""
+        then is empty, or still names the dead process before it), so wait a moment for them.
+
+        ``seen`` is what the file said before this process tried the lock. Details naming another host can't be
+        checked for a live process, so they count only once they differ from ``seen`` (a stale lock from another
+        host, just taken over here) or the wait is over (a holder on that host)."""
         deadline = time.monotonic() + wait_s
         while True:
             holder = read_json(self.path) or {}
-            if _names_live_process(holder) or time.monotonic() > deadline:
+            local = holder.get("host") == socket.gethostname()
+            if (_names_live_process(holder) and (local or holder != seen)) or time.monotonic() > deadline:
                 return holder
             time.sleep(0.02)
 
-    def _refusal(self) -> LockError:
-        holder = self._holder()
+    def _refusal(self, seen: dict[str, Any] | None) -> LockError:
+        holder = self._holder(seen)
         who = (f"pid {holder.get('pid')} on host {holder.get('host')} ({holder.get('command', 'run')} started "
                f"{holder.get('started_at')})") if holder else "another process (still writing its details)"
         return LockError(f"{self.path.parent} is in use by {who}; wait for it to finish or stop it")
@@ -248,12 +253,13 @@ class RunLock:
             "started_unix": psutil.Process().create_time(), "command": self.command,
         }  # fmt: skip
         for _ in range(10):
+            seen = read_json(self.path)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise self._refusal() from None
+                raise self._refusal(seen) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
