@@ -33,7 +33,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check zbench tests benchmarks
-	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check zbench tests benchmarks
