@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def test_the_refusal_waits_for_the_details_of_a_holder_that_took_over_another_ho
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken over here; details not written yet
         timer.start()
-        with pytest.raises(LockError, match=f"in use by pid {os.getpid()} on host {socket.gethostname()}"):
+        with pytest.raises(LockError, match=re.escape(f"in use by pid {os.getpid()} on host {socket.gethostname()}")):
             root.lock("resume").acquire()
         timer.join()
         path.write_text(json.dumps({"pid": 4321, "host": "another-host", "command": "run"}))  # a holder there
