@@ -60,6 +60,9 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from zbench.engine import build_lock
+
+    build_lock.install()  # a build lock left by a killed rank must not hang this one
     if on_cuda:
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)

@@ -75,6 +75,9 @@ def worker_process_setup() -> None:
     a small case's start. Workers never log to a tracker (the controller does), so here `import mlflow` fails at
     once and DeepSpeed goes on without it."""
     sys.modules.setdefault("mlflow", None)  # type: ignore[arg-type]
+    from zbench.engine import build_lock
+
+    build_lock.install()  # a build lock left by a killed worker must not hang this one (see the module)
 
 
 # every worker process of a case, on a private Ray or a cluster, runs worker_process_setup first

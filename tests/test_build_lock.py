@@ -1,0 +1,93 @@
+"""torch's lock on a JIT-built op: a holder that was killed no longer hangs every later load (zbench.engine.build_lock).
+Real processes holding and dying with the lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from zbench.engine import build_lock
+from zbench.engine.build_lock import NamedBaton, stale_reason
+
+HOLDER = """
+import sys, time
+from zbench.engine.build_lock import NamedBaton
+assert NamedBaton(sys.argv[1]).try_acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold(lock: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def waited(baton: NamedBaton, within_s: float) -> bool:
+    """Whether baton.wait() returned within the time."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (baton.wait(), done.set()), daemon=True).start()
+    return done.wait(within_s)
+
+
+def test_a_killed_holders_lock_is_removed_and_a_live_ones_is_waited_for(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    lock = tmp_path / "lock"
+    holder = hold(lock)
+    info = json.loads(lock.read_text())
+    assert info["pid"] == holder.pid
+    assert stale_reason(lock) is None and not NamedBaton(str(lock)).try_acquire()
+    assert not waited(NamedBaton(str(lock)), 1.0) and lock.exists()  # a live holder is waited for
+    os.kill(holder.pid, signal.SIGKILL)  # killed mid-build: the file stays behind
+    holder.wait()
+    assert stale_reason(lock) == f"its holder, pid {holder.pid}, has ended"
+    assert waited(NamedBaton(str(lock)), 5.0) and not lock.exists()
+    assert f"removed the stale build lock {lock}: its holder, pid {holder.pid}, has ended" in capsys.readouterr().out
+    # a process that comes later takes the lock at once, and names itself
+    holder = hold(lock)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    baton = NamedBaton(str(lock))
+    assert baton.try_acquire() and json.loads(lock.read_text())["pid"] == os.getpid()
+    baton.release()
+    assert not lock.exists()
+
+
+def test_a_lock_naming_no_one_is_stale_only_when_old_and_no_build_runs_there(tmp_path: Path) -> None:
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()  # as torch's own FileBaton leaves it
+    assert stale_reason(lock) is None  # young: its holder may be about to build
+    old = time.time() - build_lock.UNNAMED_STALE_S - 5
+    os.utime(lock, (old, old))
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=lock.parent)
+    try:
+        time.sleep(0.2)
+        assert stale_reason(lock) is None  # a process works in the build directory: a build runs
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert stale_reason(lock) is not None and stale_reason(lock).startswith("it names no holder")
+    # another host's holder can't be checked for life: its lock is kept
+    lock.write_text(json.dumps({"pid": 1, "host": "another-host", "started_unix": 0.0}))
+    assert stale_reason(lock) is None
+
+
+def test_installed_torch_builds_take_the_named_lock() -> None:
+    """torch looks its FileBaton up in cpp_extension's namespace when it builds: what install() replaces."""
+    original = cpp_extension.FileBaton
+    try:
+        build_lock.install()
+        assert cpp_extension._jit_compile.__globals__["FileBaton"] is NamedBaton
+    finally:
+        cpp_extension.FileBaton = original
