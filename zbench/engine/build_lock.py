@@ -8,12 +8,13 @@ start, which compiles) leaves the file behind, and from then on every worker tha
 later case hangs in its setup until its step timeout, in every later run.
 
 ``NamedBaton`` takes torch's place in the processes that build (a case's Ray workers, the floor ranks). It writes
-its holder (pid, host, process start time) into the file, and a waiter removes a file that names a process of this
-host that has ended, then goes on as if the holder had released it (a later load then builds afresh). Naming and
-removing both happen under an ``flock`` on a ``lock.guard`` file beside it, so two waiters never remove a lock
-that a third has just taken. A file naming no one (written by a process
-without this class, or one killed in the instant between creating and naming it) is taken as stale once it is
-older than ``UNNAMED_STALE_S`` and no process works in the build directory (a build runs its compiler there).
+its holder (pid, host, process start time) into the file. A process that finds a file naming a process of this host
+that has ended removes it: one about to load takes the lock and builds; one already waiting goes on as if the holder
+had released it, and loads what is there (a build cut short fails that load, and the case's retry builds afresh).
+Naming and removing both happen under an ``flock`` on a ``lock.guard`` file beside it, so two waiters never remove
+a lock that a third has just taken. A file naming no one (left by a process without this class, or by one killed
+between creating and naming it) is taken as stale once it is older than ``UNNAMED_STALE_S`` and no process works in
+the build directory (a build runs its compiler there).
 """
 
 from __future__ import annotations
