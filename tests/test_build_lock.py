@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
+from zbench import procs
 from zbench.engine import build_lock
 from zbench.engine.build_lock import NamedBaton, stale_reason
 
@@ -45,7 +46,7 @@ def test_a_killed_holders_lock_is_removed_and_a_live_ones_is_waited_for(tmp_path
     lock = tmp_path / "lock"
     holder = hold(lock)
     info = json.loads(lock.read_text())
-    assert info["pid"] == holder.pid
+    assert info["process"].startswith(f"{holder.pid}:")
     assert stale_reason(lock) is None and not NamedBaton(str(lock)).try_acquire()
     assert not waited(NamedBaton(str(lock)), 1.0) and lock.exists()  # a live holder is waited for
     os.kill(holder.pid, signal.SIGKILL)  # killed mid-build: the file stays behind
@@ -58,7 +59,7 @@ def test_a_killed_holders_lock_is_removed_and_a_live_ones_is_waited_for(tmp_path
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     baton = NamedBaton(str(lock))
-    assert baton.try_acquire() and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert baton.try_acquire() and json.loads(lock.read_text())["process"] == procs.identity()
     baton.release()
     assert not lock.exists()
 
@@ -79,7 +80,7 @@ def test_a_lock_naming_no_one_is_stale_only_when_old_and_no_build_runs_there(tmp
         compiler.wait()
     assert stale_reason(lock) is not None and stale_reason(lock).startswith("it names no holder")
     # another host's holder can't be checked for life: its lock is kept
-    lock.write_text(json.dumps({"pid": 1, "host": "another-host", "started_unix": 0.0}))
+    lock.write_text(json.dumps({"process": "1:0.000", "host": "another-host"}))
     assert stale_reason(lock) is None
 
 

@@ -8,7 +8,7 @@ start, which compiles) leaves the file behind, and from then on every worker tha
 later case hangs in its setup until its step timeout, in every later run.
 
 ``NamedBaton`` takes torch's place in the processes that build (a case's Ray workers, the floor ranks). It writes
-its holder (pid, host, process start time) into the file. A process that finds a file naming a process of this host
+its holder (pid and start time, as ``zbench.procs.identity``, and host) into the file. A process that finds a file naming a process of this host
 that has ended removes it: one about to load takes the lock and builds; one already waiting goes on as if the holder
 had released it, and loads what is there (a build cut short fails that load, and the case's retry builds afresh).
 Naming and removing both happen under an ``flock`` on a ``lock.guard`` file beside it, so two waiters never remove
@@ -32,14 +32,9 @@ import psutil
 from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
 
+from zbench import procs
+
 UNNAMED_STALE_S = 120.0
-
-
-def _holder_alive(info: dict) -> bool:
-    try:
-        return abs(psutil.Process(info["pid"]).create_time() - info["started_unix"]) < 0.01
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
 
 
 def _building_in(directory: Path) -> bool:
@@ -66,10 +61,10 @@ def stale_reason(lock_file: Path) -> str | None:
         info = json.loads(text)
     except ValueError:
         info = None
-    if isinstance(info, dict) and "pid" in info:
-        if info.get("host") != socket.gethostname() or _holder_alive(info):
+    if isinstance(info, dict) and isinstance(info.get("process"), str):
+        if info.get("host") != socket.gethostname() or procs.is_running(info["process"]):
             return None
-        return f"its holder, pid {info['pid']}, has ended"
+        return f"its holder, pid {info['process'].partition(':')[0]}, has ended"
     if age > UNNAMED_STALE_S and not _building_in(lock_file.parent):
         return f"it names no holder, is {age:.0f} s old and no build runs in its directory"
     return None
@@ -93,8 +88,7 @@ class NamedBaton(FileBaton):
             self._remove_if_stale()
             if not super().try_acquire():
                 return False
-            me = psutil.Process()
-            holder = {"pid": me.pid, "host": socket.gethostname(), "started_unix": me.create_time()}
+            holder = {"process": procs.identity(), "host": socket.gethostname()}
             with open(self.lock_file_path, "w") as f:  # torch opened it read-only
                 f.write(json.dumps(holder))
             return True
