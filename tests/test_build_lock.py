@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from torch.utils import cpp_extension
+from torch.utils.file_baton import FileBaton
 
 from zbench import procs
 from zbench.engine import build_lock
@@ -89,6 +90,34 @@ def test_installed_torch_builds_take_the_named_lock() -> None:
     original = cpp_extension.FileBaton
     try:
         build_lock.install()
+        assert cpp_extension._jit_compile.__globals__["FileBaton"] is NamedBaton
+    finally:
+        cpp_extension.FileBaton = original
+
+
+def test_the_worker_setup_hook_leaves_torch_alone() -> None:
+    """Ray runs the hook before it gives the process its GPU: a hook that imported torch's extension builder left
+    both ranks of a 2-GPU case on one GPU (NCCL "Duplicate GPU detected", 2 x H200), so the workers take the build
+    lock in their own __init__ instead. Checked in a fresh interpreter, as Ray's worker process is."""
+    probe = ("import sys\n"
+             "from zbench.engine.cluster import worker_process_setup\n"
+             "worker_process_setup()\n"
+             "print(','.join(m for m in ('torch', 'torch.utils.cpp_extension') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == ""
+
+
+def test_workers_take_the_named_lock_as_they_start(tmp_path: Path) -> None:
+    """A worker installs the NamedBaton in its __init__, once Ray has given it its device."""
+    from zbench.config import from_dict
+    from zbench.engine.workers import PolicyWorker
+    from zbench.models import resolve_model
+
+    original = cpp_extension.FileBaton
+    cpp_extension.FileBaton = FileBaton  # type: ignore[misc]
+    try:
+        PolicyWorker(from_dict({"trainer": {"device": "cpu", "world_size": 1}}), 0, 1, str(tmp_path),
+                     str(resolve_model("tiny")))
         assert cpp_extension._jit_compile.__globals__["FileBaton"] is NamedBaton
     finally:
         cpp_extension.FileBaton = original

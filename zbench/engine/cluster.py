@@ -73,11 +73,13 @@ def worker_process_setup() -> None:
     DeepSpeed's autotuner imports mlflow wherever it is installed (zbench's trackers extra installs it), only to log
     autotuning runs, which zbench never starts; that import alone costs each worker about 1.7 s of CPU, a fifth of
     a small case's start. Workers never log to a tracker (the controller does), so here `import mlflow` fails at
-    once and DeepSpeed goes on without it."""
-    sys.modules.setdefault("mlflow", None)  # type: ignore[arg-type]
-    from zbench.engine import build_lock
+    once and DeepSpeed goes on without it.
 
-    build_lock.install()  # a build lock left by a killed worker must not hang this one (see the module)
+    Nothing here may import torch: the hook runs before Ray gives the process its GPU. With torch's extension
+    builder imported here, both ranks of a 2-GPU case ran on the first GPU although each one's
+    `CUDA_VISIBLE_DEVICES` named its own (NCCL: "Duplicate GPU detected"; results/reference/h200x2-ppo-defaults-20261126).
+    The workers take their build lock in `_Worker.__init__`, once the GPU is theirs."""
+    sys.modules.setdefault("mlflow", None)  # type: ignore[arg-type]
 
 
 # every worker process of a case, on a private Ray or a cluster, runs worker_process_setup first

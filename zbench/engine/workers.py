@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload
-from zbench.engine import algos, lm_head
+from zbench.engine import algos, build_lock, lm_head
 from zbench.engine.batches import (
     Batch,
     forward_batches,
@@ -158,6 +158,7 @@ class _Worker:
     role = "worker"
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, case_dir: str, model_path: str):
+        build_lock.install()  # a build lock left by a killed worker must not hang this one (see the module)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.case_dir = Path(case_dir)
