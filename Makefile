@@ -19,8 +19,9 @@ TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(
 define PREBUILD_OPS
 import os
 os.environ["DS_ACCELERATOR"] = "cpu"
-from zbench.engine import build_lock
+from zbench.engine import build_lock, cpu_info
 build_lock.install()
+cpu_info.install()
 from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
 for builder in (CPUAdamBuilder, ShareMemCommBuilder):
     builder().load(verbose=False)

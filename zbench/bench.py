@@ -60,9 +60,10 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from zbench.engine import build_lock
+    from zbench.engine import build_lock, cpu_info
 
     build_lock.install()  # a build lock left by a killed rank must not hang this one
+    cpu_info.install()
     if on_cuda:
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)

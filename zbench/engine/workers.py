@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from zbench.config import ConfigError, RunConfig, effective_offload
-from zbench.engine import algos, build_lock, lm_head
+from zbench.engine import algos, build_lock, cpu_info, lm_head
 from zbench.engine.batches import (
     Batch,
     forward_batches,
@@ -159,6 +159,7 @@ class _Worker:
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, case_dir: str, model_path: str):
         build_lock.install()  # a build lock left by a killed worker must not hang this one (see the module)
+        cpu_info.install()  # DeepSpeed's op loads probe the CPU once per boot, not twice per worker
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.case_dir = Path(case_dir)
