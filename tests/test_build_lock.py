@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import cpuinfo
 import pytest
 from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
@@ -114,11 +115,11 @@ def test_workers_take_the_named_lock_as_they_start(tmp_path: Path) -> None:
     from zbench.engine.workers import PolicyWorker
     from zbench.models import resolve_model
 
-    original = cpp_extension.FileBaton
+    original, probe = cpp_extension.FileBaton, cpuinfo.get_cpu_info
     cpp_extension.FileBaton = FileBaton  # type: ignore[misc]
     try:
         PolicyWorker(from_dict({"trainer": {"device": "cpu", "world_size": 1}}), 0, 1, str(tmp_path),
                      str(resolve_model("tiny")))
         assert cpp_extension._jit_compile.__globals__["FileBaton"] is NamedBaton
-    finally:
-        cpp_extension.FileBaton = original
+    finally:  # the worker also installed the CPU-description cache: this process's later tests get it back as it was
+        cpp_extension.FileBaton, cpuinfo.get_cpu_info = original, probe

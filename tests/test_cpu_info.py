@@ -44,9 +44,48 @@ def test_a_damaged_or_unwritable_cache_costs_a_probe_not_the_answer(tmp_path: Pa
     assert cpu_info.cached(counting_probe(calls))()["arch"] == "X86_64" and len(calls) == 1
     assert json.loads(cpu_info.cache_file().read_text())["arch"] == "X86_64"
     if os.geteuid() != 0:  # root writes anywhere
+        cpu_info.cache_file().unlink()
         (tmp_path / "cpuinfo").chmod(0o500)
-        cpu_info.cache_file().unlink(missing_ok=True)
-        assert cpu_info.cached(counting_probe(calls))()["arch"] == "X86_64" and len(calls) == 2
+        try:
+            assert cpu_info.cached(counting_probe(calls))()["arch"] == "X86_64" and len(calls) == 2
+        finally:
+            (tmp_path / "cpuinfo").chmod(0o700)
+
+
+def test_no_cache_to_be_had_still_answers_and_answers_are_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_home() -> None:
+        raise RuntimeError("Could not determine home directory.")  # what Path.home() says for a uid without one
+
+    monkeypatch.setattr(cpu_info, "cache_file", no_home)
+    calls: list[int] = []
+    get = cpu_info.cached(counting_probe(calls))
+    for _ in range(2):  # the probed answer, then the kept one
+        answer = get()
+        answer["flags"].append("changed by a caller")
+        answer["arch"] = "changed"
+    assert get() == {"arch": "X86_64", "flags": ["avx2", "fma"], "vendor_id_raw": "GenuineIntel"} and len(calls) == 1
+
+
+def test_an_empty_probe_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZBENCH_CACHE", str(tmp_path))
+    answers = [{}, {"arch": "ARM_8", "flags": ["neon"]}]
+    get = cpu_info.cached(lambda: answers.pop(0))
+    assert get() == {} and not cpu_info.cache_file().exists()
+    assert get()["arch"] == "ARM_8" and json.loads(cpu_info.cache_file().read_text())["arch"] == "ARM_8"
+
+
+def test_the_cache_is_keyed_by_the_machine_type_and_cpu_as_well_as_the_boot(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    """An emulated architecture on the same kernel, or a VM restored on another host with the same boot id, gets
+    its own file."""
+    monkeypatch.setenv("ZBENCH_CACHE", str(tmp_path))
+    here = cpu_info.cache_file()
+    monkeypatch.setattr(cpu_info.platform, "machine", lambda: "aarch64-emulated")
+    emulated = cpu_info.cache_file()
+    other_cpu = tmp_path / "cpuinfo.txt"
+    other_cpu.write_text("model name\t: Another CPU\nflags\t\t: fpu\n")
+    monkeypatch.setattr(cpu_info, "PROC_CPUINFO", other_cpu)
+    assert len({here, emulated, cpu_info.cache_file()}) == 3
 
 
 def test_deepspeed_op_builders_get_the_real_description_once(tmp_path: Path) -> None:
@@ -63,7 +102,7 @@ def test_deepspeed_op_builders_get_the_real_description_once(tmp_path: Path) -> 
         "cpu_info.install()\n"
         "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder\n"
         "b = CPUAdamBuilder()\n"
-        "answers = [b.cpu_arch(), b.simd_width(), b.cpu_arch()]\n"
+        "b.cpu_arch(), b.simd_width(), b.cpu_arch()\n"
         "print(json.dumps({'calls': len(calls), 'flags': cpuinfo.get_cpu_info()['flags']}))\n"
     )
     env = {**os.environ, "ZBENCH_CACHE": str(tmp_path)}
