@@ -6,8 +6,9 @@ on top (`--variant`, a JSON object `{"name": ..., "engine": {...}}`; one variant
 process-wide state; `"in_process": false` runs vLLM's engine core in a process of its own, as vLLM does by default,
 where zbench keeps it in the trainer's process for the weight push). GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
 
-- `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends)
-  and with one unseeded request list (vLLM then samples the whole batch in one call);
+- `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends,
+  from an empty prefix cache, as after the trainer's weight push) and with one unseeded request list (vLLM then
+  samples the whole batch in one call);
 - `profile`: one rollout under torch.profiler: GPU kernel time in all and per decode step against the wall time
   (a GPU busy far below 100 % means the host, not the GPU, sets the pace), and the top kernels;
 - `host`: one rollout under cProfile, the functions with the most own time.
@@ -15,7 +16,9 @@ where zbench keeps it in the trainer's process for the weight push). GSM8K promp
     python benchmarks/vllm_profile.py --data .gsm8k/train.jsonl --prompts 32 --n 4 --new-tokens 512 \
         --variant '{"name": "sync", "engine": {"async_scheduling": false}}'
 
-One JSON line per measurement on stdout.
+One JSON line per measurement on stdout, each naming the GPUs the process saw (`CUDA_VISIBLE_DEVICES`). Several
+processes, one per GPU, measure at the same time as a case's ranks generate: `--barrier DIR --parties N` holds each
+after its engine has started until N of them have.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +49,21 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _emit(**row: Any) -> None:
+    row["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     print(json.dumps(row), flush=True)
+
+
+def _barrier(where: str, parties: int, timeout_s: float = 600.0) -> float:
+    """Mark this process ready in `where` and wait until `parties` processes have; returns the seconds waited."""
+    folder = Path(where)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(os.getpid())).touch()
+    t0 = time.perf_counter()
+    while len(list(folder.iterdir())) < parties:
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"--barrier {where}: {len(list(folder.iterdir()))} of {parties} parties in {timeout_s} s")
+        time.sleep(0.2)
+    return time.perf_counter() - t0
 
 
 def _kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[dict[str, Any]]]:
@@ -67,6 +86,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", default='{"name": "default", "engine": {}}')
+    ap.add_argument("--barrier", help="a folder the processes measuring together mark themselves ready in")
+    ap.add_argument("--parties", type=int, default=1, help="processes that meet at --barrier")
     args = ap.parse_args()
 
     from transformers import AutoConfig, AutoTokenizer
@@ -95,12 +116,15 @@ def main() -> int:
     rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"),
                                  in_process=variant.get("in_process", True))
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2), device=device)
+    if args.barrier:
+        _emit(variant=name, measure="barrier_wait_s", value=round(_barrier(args.barrier, args.parties), 2))
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in vllm_rollout.strip_left_padding(ids, mask)]
     unseeded = SamplingParams(n=1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=0,
                               max_tokens=args.new_tokens, stop_token_ids=eos_ids, detokenize=False)
 
     def seeded(seed: int) -> int:
+        rollout.llm.reset_prefix_cache()  # as the trainer's rollouts start: the weight push before each empties it
         out = rollout.generate(ids, mask, seed, sleep=False)
         return int(out["response_mask"].sum())
 

@@ -83,8 +83,23 @@ def _gpus(probe_torch: bool) -> list[dict[str, Any]]:
     return gpus
 
 
+def _cpu() -> dict[str, Any]:
+    """The host's CPU: model name (from /proc/cpuinfo, None where there is none), logical cores, and the cores this
+    process may run on. A host-bound phase (vLLM's decode loop at a few dozen rows) moves with the CPU, so results
+    from two hosts of the same GPU are told apart by it."""
+    model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model"):
+                model = value.strip() or None
+                break
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": model, "logical_cores": os.cpu_count(), "usable_cores": usable}
+
+
 def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
-    """Python and package versions, GPUs, host, git commit + dirty flag: what a manifest or bug report needs.
+    """Python and package versions, GPUs, CPU, host, git commit + dirty flag: what a manifest or bug report needs.
 
     Versions come from package metadata, so nothing heavy is imported; pass ``probe_torch`` to ask torch.cuda
     for GPUs even where nvidia-smi is absent (imports torch).
@@ -94,6 +109,7 @@ def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
     return {
         "versions": versions,
         "gpus": _gpus(probe_torch),
+        "cpu": _cpu(),
         "host": socket.gethostname(),
         "platform": sys.platform,
         "git": _git_info(),
