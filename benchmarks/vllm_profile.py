@@ -40,7 +40,7 @@ def _config(args: argparse.Namespace) -> Any:
     from zbench.config import from_dict
 
     return from_dict({
-        "algorithm": "grpo", "seed": 7777, "model": {"path": args.model},
+        "algorithm": "grpo" if args.n > 1 else "ppo", "seed": 7777, "model": {"path": args.model},
         "data": {"train_files": args.data, "max_prompt_length": 512},
         "rollout": {"backend": "vllm", "n": args.n, "max_new_tokens": args.new_tokens, "kv_cache_fit": True},
         "actor": {"ppo_mini_batch_size": args.prompts, "micro_batch_size_per_gpu": args.n},
