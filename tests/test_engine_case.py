@@ -23,6 +23,7 @@ PPO_METRICS = {
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
     "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
     "perf/total_num_tokens", "perf/throughput", "perf/cpu_memory_used_gb", "perf/gc_pause_s", "actor/kl_loss",
+    "perf/rollout_engine_s",
 }
 
 
@@ -87,6 +88,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     missing = PPO_METRICS - set(a[-1])
     assert not missing, missing
+    # the rollout engine's own time is inside the gen phase; the hf backend has no sleep to report
+    assert all(0 < r["perf/rollout_engine_s"] < r["timing_s/gen"] and "perf/rollout_sleep_s" not in r for r in a + b)
     # concurrent: the critic's own time, and the wait for it after the actor's update and weight push
     assert all(r["timing_s/update_critic"] > 0 and r["timing_s/critic_wait"] >= 0 for r in b)
     assert all("timing_s/critic_wait" not in r for r in a)

@@ -12,6 +12,7 @@ grouped key/value heads directly (`gqa_decode_attention`) rather than through co
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,6 +180,7 @@ class HFRollout:
         # the CUDA graph re-record each time: it runs the same loop eagerly instead
         compile_step = device.type == "cuda" and not parked
         self.graph = GraphDecoder(self.model, compile=compile_step) if cuda_graph else None
+        self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
 
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""
@@ -189,6 +191,12 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
         """Sample one response per row; returns responses padded to `max_new_tokens` and their mask."""
+        start = time.perf_counter()
+        out = self._generate(input_ids, attention_mask, seed)
+        self.seconds = {"engine": time.perf_counter() - start}
+        return out
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
         from transformers import GenerationConfig
 
         if self.graph is not None:

@@ -3,7 +3,9 @@
 Each step: sample responses (gen) -> score them by rule (reward) -> actor log-probs (old_log_prob; skipped
 where the update's own forward gives them exactly) -> reference log-probs (ref) -> values (PPO) -> advantages
 (adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
-is timed as `timing_s/<phase>`. With `trainer.critic_update` concurrent, the critic's update runs beside the
+is timed as `timing_s/<phase>`; within gen, `perf/rollout_engine_s` is the slowest rank's time inside the rollout
+engine's own generate call and `perf/rollout_sleep_s` (vLLM) its sleep after it, so the rest of `timing_s/gen` is
+the trainer's and Ray's. With `trainer.critic_update` concurrent, the critic's update runs beside the
 actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
 `timing_s/critic_wait` what of it was left when the weights were in. With `overlap`, it runs behind the next
 step's rollout (generation, reward, the actor's and the reference's passes), which never reads the critic, and the
@@ -229,6 +231,9 @@ class Trainer:
             prompts = rollout_shards({"input_ids": p_ids, "attention_mask": p_mask}, dp, tp)
             gen = rollout_outputs(self.policy.call_sharded("generate", prompts, step), tp)
         self._settle_held(block=False)  # the step before's critic update mostly finishes within the rollout
+        for part in ("engine", "sleep"):  # the slowest rank's seconds inside the rollout engine and its sleep
+            if f"rollout_{part}_s" in gen:
+                metrics[f"perf/rollout_{part}_s"] = float(gen.pop(f"rollout_{part}_s").max())
         responses, r_mask = gen["responses"], gen["response_mask"]
         batch = sequence_batch(p_ids, p_mask, responses, r_mask)
         if "rollout_log_probs" in gen:

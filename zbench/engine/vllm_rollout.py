@@ -17,6 +17,7 @@ sample identically; each loads the full trained tensors and keeps its own slice.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
@@ -121,6 +122,7 @@ class VLLMRollout:
                        **parallel_args(tensor_parallel_size), **(engine_args or {}))
         self.asleep = False
         self.awake_used_gb = 0.0
+        self.seconds: dict[str, float] = {}  # of the last rollout: inside the engine's generate, and its sleep
 
     def to(self, device: torch.device | str) -> None:
         """No-op: vLLM releases its memory by sleeping, not by moving."""
@@ -143,7 +145,9 @@ class VLLMRollout:
                                  max_tokens=self.max_new_tokens, seed=seed * 65_537 + i,
                                  logprobs=0 if self.log_probs else None, stop_token_ids=self.eos_ids,
                                  detokenize=False) for i in range(len(prompts))]
+        start = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.seconds = {"engine": time.perf_counter() - start}
         responses = torch.full((len(outs), self.max_new_tokens), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros((len(outs), self.max_new_tokens), dtype=torch.float32)
         for row, out in enumerate(outs):
@@ -156,7 +160,9 @@ class VLLMRollout:
         mask = response_mask_from(responses, self.eos_ids, self.pad_id)
         self.awake_used_gb = gpu_memory_in_use_gb()  # the GPU's use with the engine awake, before it sleeps
         if sleep:
+            start = time.perf_counter()
             self.sleep()  # training takes the memory back; every weight is pushed again before waking
+            self.seconds["sleep"] = time.perf_counter() - start
         out = {"responses": responses, "response_mask": mask}
         if self.log_probs:
             out["rollout_log_probs"] = logprobs * mask

@@ -579,6 +579,9 @@ class PolicyWorker(_Worker):
             self.rollout.to(self.device)
         seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank // self.cfg.rollout.tensor_parallel_size
         out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
+        # where the phase's time went on this rank: one row per rank, the trainer reports the slowest
+        for part, seconds in self.rollout.seconds.items():
+            out[f"rollout_{part}_s"] = torch.tensor([seconds])
         self.sample_device_memory("gen", getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
             self.rollout.to("cpu")
