@@ -60,6 +60,15 @@ def test_create_and_open(tmp_path: Path) -> None:
     }
     assert root.case_names() == ["zero2_cpu_offload", "zero3"] and (root.path / "zero3").is_dir()
     assert RunRoot.open(root.path).update_manifest(ended_at="x")["ended_at"] == "x"
+    # the host's CPU goes into the manifest as collected, and into the report's hardware line; none is claimed
+    # where the environment named none
+    from zbench.analyze.report import environment_lines
+
+    cpu = {"model": "Example CPU 9000", "logical_cores": 32, "usable_cores": 30}
+    named = make_root(tmp_path, environment={"cpu": cpu, "gpus": [{"name": "G", "memory_gb": 80.0}]}).manifest
+    assert named["cpu"] == cpu
+    assert environment_lines(named)[1].startswith("1× G (80.0 GB) · CPU Example CPU 9000 (32 cores) · host ")
+    assert m["cpu"] is None and environment_lines(m)[1].startswith("CPU only · host ")
     second = make_root(tmp_path)  # same second: a fresh directory, never a shared one
     assert second.path != root.path
     with pytest.raises(RunRootError, match="does not exist"):

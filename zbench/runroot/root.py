@@ -114,6 +114,7 @@ class RunRoot:
             "versions": env.get("versions", {}),
             "gpus": env.get("gpus", []),
             "host": env.get("host", socket.gethostname()),
+            "cpu": env.get("cpu"),  # a host-bound phase (vLLM's decode loop) moves with it
             "runner": runner,
             "models": dict(models or {}),
             "started_at": utc_now(),
