@@ -250,7 +250,8 @@ def test_collect_environment() -> None:
     assert isinstance(info["gpus"], list) and info["host"] and set(info["git"]) == {"commit", "dirty"}
     cpu = info["cpu"]  # what /proc/cpuinfo names, not a default standing in for it
     named = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.split(":", 1)[0].strip() == "model name"] if Path("/proc/cpuinfo").exists() else []
+             if line.split(":", 1)[0].strip() in ("model name", "Model", "cpu model")] \
+        if Path("/proc/cpuinfo").exists() else []
     assert cpu["model"] == (named[0] if named else None)
     assert cpu["logical_cores"] == os.cpu_count() and 1 <= cpu["usable_cores"] <= cpu["logical_cores"]
     probe = "import sys; from zbench.env import collect_environment; collect_environment(); print(sorted(sys.modules))"
