@@ -69,6 +69,7 @@ def test_create_and_open(tmp_path: Path) -> None:
     assert named["cpu"] == cpu
     assert environment_lines(named)[1].startswith("1× G (80.0 GB) · CPU Example CPU 9000 (32 cores) · host ")
     assert m["cpu"] is None and environment_lines(m)[1].startswith("CPU only · host ")
+    assert environment_lines({**m, "cpu": cpu})[1].startswith("no GPU · CPU Example CPU 9000 (32 cores) · host ")
     second = make_root(tmp_path)  # same second: a fresh directory, never a shared one
     assert second.path != root.path
     with pytest.raises(RunRootError, match="does not exist"):

@@ -54,10 +54,12 @@ def environment_lines(manifest: dict) -> list[str]:
                        *(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed", "ray", "transformers", "vllm")
                          if v.get(k))])
     gpus = manifest.get("gpus") or []
-    hw = f"{len(gpus)}× {gpus[0].get('name')} ({gpus[0].get('memory_gb')} GB)" if gpus else "CPU only"
+    hw = f"{len(gpus)}× {gpus[0].get('name')} ({gpus[0].get('memory_gb')} GB)" if gpus else "no GPU"
     cpu = manifest.get("cpu") or {}  # runs recorded before the manifest named the CPU have none
     if cpu.get("model") or cpu.get("logical_cores"):
         hw += f" · CPU {cpu.get('model') or 'unnamed'} ({cpu.get('logical_cores', '?')} cores)"
+    elif not gpus:
+        hw = "CPU only"
     run = " · ".join([hw, f"host {manifest.get('host', '?')}", f"runner {manifest.get('runner', '?')}",
                       f"matrix {manifest.get('matrix', '?')}", f"seed {manifest.get('seed', '?')}",
                       f"{manifest.get('steps', '?')} steps",
