@@ -77,21 +77,11 @@ def _kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[d
     return sum(r["total_ms"] for r in rows) / 1e3, rows[:top]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--data", default="synthetic", help="GSM8K train rows (jsonl or parquet)")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variant", default='{"name": "default", "engine": {}}')
-    ap.add_argument("--barrier", help="a folder the processes measuring together mark themselves ready in")
-    ap.add_argument("--parties", type=int, default=1, help="processes that meet at --barrier")
-    args = ap.parse_args()
-
+def engine_and_batch(args: argparse.Namespace,
+                     variant: dict[str, Any]) -> tuple[Any, Any, torch.Tensor, torch.Tensor, list[int]]:
+    """A case's vLLM engine on this GPU (`variant`: its further engine arguments) and one step's prompts from
+    `args.data`, each `args.n` times, left-padded: (config, rollout, ids, mask, eos ids)."""
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import SamplingParams, TokensPrompt
 
     from zbench.data import load_prompts, synthetic_problems
     from zbench.engine import vllm_rollout
@@ -108,14 +98,34 @@ def main() -> int:
     stream = PromptStream(rows[: 8 * args.prompts], tok, args.prompts, cfg.seed, True, d.max_prompt_length)
     ids, mask = left_pad([stream.ids[i] for i in stream.indices(1) for _ in range(args.n)], pad_id)
     tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
-    device = torch.cuda.get_device_name()
+    rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"),
+                                 in_process=variant.get("in_process", True))
+    return cfg, rollout, ids, mask, eos_ids
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--data", default="synthetic", help="GSM8K train rows (jsonl or parquet)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variant", default='{"name": "default", "engine": {}}')
+    ap.add_argument("--barrier", help="a folder the processes measuring together mark themselves ready in")
+    ap.add_argument("--parties", type=int, default=1, help="processes that meet at --barrier")
+    args = ap.parse_args()
+
+    from vllm import SamplingParams, TokensPrompt
+
+    from zbench.engine import vllm_rollout
 
     variant = json.loads(args.variant)
     name = variant["name"]
     start = time.perf_counter()
-    rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"),
-                                 in_process=variant.get("in_process", True))
-    _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2), device=device)
+    cfg, rollout, ids, mask, eos_ids = engine_and_batch(args, variant)
+    _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2),
+          device=torch.cuda.get_device_name())
     if args.barrier:
         _emit(variant=name, measure="barrier_wait_s", value=round(_barrier(args.barrier, args.parties), 2))
 

@@ -1,0 +1,95 @@
+"""Where zbench's CUDA-graph decode loop (`zbench.engine.rollout.GraphDecoder`, `rollout.backend=hf` with
+`rollout.cuda_graph=true`) spends a rollout's time, on one GPU, for each batch size and prompt width asked:
+
+- `generate`: median and spread of `--repeats` timed rollouts after one warm-up (the warm-up compiles and records
+  the decode step for this batch and cache length; its time is reported as `first_s`);
+- `profile`: one rollout under torch.profiler: GPU kernel time in all and per decode step against the wall time
+  (GPU busy near 100 % means the GPU, not the host, sets the pace), and the top kernels.
+
+Every response runs to `--new-tokens` (no EOS is given), as with a random-weight shape preset. One JSON line per
+measurement on stdout. Compare with `benchmarks/vllm_profile.py` at the same rows and tokens:
+
+    python benchmarks/graph_decode_profile.py --model qwen3-0.6b --batch 32 --width 256 --new-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def _kernels(prof: Any, top: int) -> tuple[float, list[dict[str, Any]]]:
+    """Total GPU kernel seconds of a profile and its `top` kernels by total time."""
+    rows = []
+    total = 0.0
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and us > 0:
+            total += us
+            rows.append({"kernel": evt.key[:120], "s": us / 1e6, "calls": evt.count})
+    rows.sort(key=lambda r: -r["s"])
+    return total / 1e6, rows[:top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32])
+    parser.add_argument("--width", type=int, nargs="+", default=[256], help="left-padded prompt width (tokens)")
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--sync-every", type=int, default=64)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per profile")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from zbench.engine.rollout import GraphDecoder
+    from zbench.models import resolve_model
+
+    on_cuda = torch.cuda.is_available()  # on a CPU the same loop runs eagerly (a check of this script, not a number)
+    device = torch.device("cuda" if on_cuda else "cpu")
+    sync = torch.cuda.synchronize if on_cuda else lambda: None
+    path = resolve_model(args.model)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).to(device).eval()
+    graph = GraphDecoder(lm, compile=on_cuda, sync_every=args.sync_every)
+    base = {"model": args.model, "new_tokens": args.new_tokens, "top_p": args.top_p, "sync_every": args.sync_every,
+            "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
+    for batch in args.batch:
+        for width in args.width:
+            torch.manual_seed(0)
+            ids = torch.randint(10, min(5000, lm.config.vocab_size), (batch, width), device=device)
+            mask = torch.ones_like(ids)
+            mask[: batch // 2, : width // 4] = 0  # half the rows left-padded, as a bucketed prompt batch is
+
+            def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> float:
+                sync()
+                start = time.perf_counter()
+                graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
+                               pad_id=0, eos_ids=[], generator=torch.Generator(device).manual_seed(seed))
+                sync()
+                return time.perf_counter() - start
+
+            first = rollout(0)
+            times = [rollout(1 + i) for i in range(args.repeats)]
+            row = base | {"batch": batch, "width": width}
+            print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
+                                    "min_s": min(times), "max_s": max(times),
+                                    "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None}), flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                wall = rollout(99)
+            kernel_s, top = _kernels(prof, args.top)
+            print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s,
+                                    "gpu_busy": kernel_s / wall, "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens,
+                                    "top": top}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
