@@ -353,6 +353,10 @@ class TrainerConfig:
     # update reads what another writes before it is done. A GPU case takes overlap at ZeRO-1/2 without offload and
     # at ZeRO-3 with CPU offload, where it was measured faster
     critic_update: str = "serial"
+    # [experimental] PPO on GPUs, critic_update overlap or concurrent: run the case's GPU processes through a
+    # private NVIDIA MPS server, the critic's kernels capped at this share (%) of each GPU's SMs, so that they run
+    # beside the rollout's instead of taking time slices in turn with them; 0: no MPS
+    critic_sm_percent: int = 0
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)
     fault: str = ""  # KIND@STEP injects a fault on the first attempt (crash, hang, oom, worker_exit, node_loss, slow); "" none
@@ -382,6 +386,16 @@ class TrainerConfig:
         _positive("log_samples", self.log_samples, allow_zero=True)
         _positive("profile_step", self.profile_step, allow_zero=True)
         _choice("critic_update", self.critic_update, CRITIC_UPDATE_MODES)
+        if not 0 <= self.critic_sm_percent <= 100:
+            raise ConfigError("critic_sm_percent", f"must be a share of the SMs in 1..100, or 0 for no MPS; got "
+                                                   f"{self.critic_sm_percent!r}")
+        if self.critic_sm_percent and self.device == "cpu":
+            raise ConfigError("critic_sm_percent", "shares GPUs through NVIDIA MPS; trainer.device=cpu has none: "
+                                                   "use 0")
+        if self.critic_sm_percent and self.critic_update == "serial":
+            raise ConfigError("critic_sm_percent", "with critic_update=serial the critic's update runs alone on the "
+                                                   "GPU, so MPS would change nothing: use critic_update=overlap or "
+                                                   "concurrent, or 0")
         for name in self.logger:
             _choice("logger", name, LOGGERS)
         if len(set(self.logger)) < len(self.logger):
@@ -434,6 +448,9 @@ class RunConfig:
             raise ConfigError("rollout.tensor_parallel_size",
                               f"{tp}: vLLM 0.26 cannot shard the 64-wide tiny model (on 2 GPUs its warm-up hangs "
                               "or a kernel launch fails); use 1, or a real model shape (model.path=qwen3-0.6b)")
+        if self.trainer.critic_sm_percent and not self.needs_critic:
+            raise ConfigError("trainer.critic_sm_percent", f"shares a GPU between the critic's update and other work; "
+                                                           f"the {self.adv_estimator} estimator trains no critic: use 0")
         if self.trainer.profile_step > self.steps:
             raise ConfigError("trainer.profile_step", f"{self.trainer.profile_step} is past the last step "
                                                       f"({self.steps}); choose 1..{self.steps}, or 0 for none")

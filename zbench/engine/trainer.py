@@ -42,6 +42,7 @@ from zbench.engine.batches import (
     shard,
 )
 from zbench.engine.faults import maybe_inject
+from zbench.engine.mps import SM_SHARE_ENV, MPSError, MPSServer
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
@@ -143,6 +144,14 @@ class Trainer:
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
         self.on_cuda = self.cfg.trainer.uses_cuda()
+        self.mps: MPSServer | None = None  # trainer.critic_sm_percent: the case's private MPS server
+        if self.cfg.trainer.critic_sm_percent:
+            where = "" if self.on_cuda else "this host has no CUDA device"
+            if not where and os.environ.get("ZBENCH_RAY_ADDRESS", "").strip():
+                where = "this case runs on a Ray cluster (ZBENCH_RAY_ADDRESS), whose other nodes it cannot start it on"
+            if where:
+                raise ConfigError("trainer.critic_sm_percent", f"runs the case's GPU processes through a private "
+                                                               f"NVIDIA MPS server, but {where}: use 0")
         from zbench.engine.vllm_rollout import installed_vllm, select_backend
 
         # a backend that cannot run here is a config error before anything starts
@@ -197,15 +206,34 @@ class Trainer:
                PROCESS_DIR_ENV: str(self.process_dir.resolve())}
         if not self.on_cuda:
             env["DS_ACCELERATOR"] = "cpu"
+        critic_env = dict(env)
+        if t.critic_sm_percent:
+            env, critic_env = self._start_mps(env)
         args = (self.cfg, str(self.case_dir.resolve()), str(self.model_path))
         self.policy = self.placement.group(PolicyWorker, env, *args)
-        self.critic = self.placement.group(CriticWorker, env, *args) if critic else None
+        self.critic = self.placement.group(CriticWorker, critic_env, *args) if critic else None
         self.info = self.policy.call("setup")[0]
         self.info["rank_nodes"] = self.policy.nodes()  # the Ray node of each rank, for the result
         self.records.beat()
         if self.critic:
             self.info["critic"] = self.critic.call("setup")[0]
         self.records.beat()
+
+    def _start_mps(self, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Start the case's MPS server (`trainer.critic_sm_percent`) in its Ray folder; the workers' environments:
+        the actor's with the server's pipe, the critic's with its SM cap as well."""
+        from zbench.engine.cluster import ray_tmpdir
+
+        try:
+            server = MPSServer(ray_tmpdir(self.process_dir) / "mps")
+        except MPSError as err:  # no control program on this host: no retry will find one
+            raise ConfigError("trainer.critic_sm_percent", str(err)) from None
+        server.start()
+        self.mps = server
+        print(f"[zbench] NVIDIA MPS server at {server.pipe}: the critic's kernels use at most "
+              f"{self.cfg.trainer.critic_sm_percent} % of each GPU's SMs", flush=True)
+        shared = {**env, **server.client_env()}
+        return shared, {**shared, SM_SHARE_ENV: str(self.cfg.trainer.critic_sm_percent)}
 
     # ------------------------------------------------------------------------------------------- one step
     def step(self, step: int) -> dict[str, float]:
@@ -569,10 +597,12 @@ class Trainer:
             trackers.close(completed)
 
     def close(self) -> None:
-        """Stop the workers, the placement and Ray (a private Ray's folder too); safe after a partial `open`."""
+        """Stop the workers, the placement, Ray (a private Ray's folder too) and the MPS server; safe after a partial
+        `open`."""
         import ray
 
         if not ray.is_initialized():
+            self._stop_mps()
             return
         for group in (self.policy, self.critic):
             if group is not None:
@@ -584,8 +614,14 @@ class Trainer:
         if getattr(self, "placement", None) is not None:
             self.placement.remove()
         ray.shutdown()
+        self._stop_mps()  # its clients are gone with the workers; its pipe lives in the Ray folder
         # a private Ray's folder goes with it, also when the engine runs without the launcher (which removes it too)
         remove_ray_tmpdir(self.process_dir)
+
+    def _stop_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
+            self.mps = None
 
 
 def main(case_dir: str) -> int:

@@ -181,11 +181,14 @@ def _check_sets_keep_names(matrix: Matrix, planned: list[tuple[str, dict[str, An
 def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> dict[str, Any]:
     """`cuda_defaults` for a case's nested config `data` when it will run on CUDA (as `on_cuda` says, or where
     None, as its `trainer.device` resolves here), else nothing. The case is first read with micro-batch 1 wherever
-    nothing names one: the CPU's default size need not divide a GPU batch."""
+    nothing names one: the CPU's default size need not divide a GPU batch; and without MPS's SM share, which needs
+    the critic's update beside other work, as the defaults may make it (`trainer.critic_update` overlap)."""
     probe = copy.deepcopy(data)
     for key in ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"):
         if not has_dotted(probe, key):
             set_dotted(probe, key, 1)
+    if has_dotted(probe, "trainer.critic_sm_percent"):
+        set_dotted(probe, "trainer.critic_sm_percent", 0)
     cfg = from_dict(probe, where)
     cuda = cfg.trainer.uses_cuda() if on_cuda is None else on_cuda
     return cuda_defaults(cfg, lambda key: has_dotted(data, key)) if cuda else {}

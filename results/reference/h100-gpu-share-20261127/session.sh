@@ -6,11 +6,33 @@
 #   bash results/reference/h100-gpu-share-20261127/session.sh graph   # zbench's CUDA-graph decode loop, random prompts
 #   bash results/reference/h100-gpu-share-20261127/session.sh vllm    # a PPO case's vLLM engine, GSM8K prompts
 #        (converted from $GSM8K_DIR's jsonl; vLLM and the kits of the GPU machine's README on the path)
+#   bash results/reference/h100-gpu-share-20261127/session.sh mps-case  # a tiny PPO case on one GPU with
+#        trainer.critic_sm_percent=50 (the whole path: private MPS daemon, Ray workers as its clients, shutdown);
+#        the engine's output in $OUT/mps-case.log, then any MPS process left behind (there should be none)
 # Appends to $OUT/share.jsonl; the processes' stderr goes to $OUT/share-ENGINE.log.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 engine=${1:-graph}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ "$engine" = mps-case ]; then
+  case_dir=$(mktemp -d)/mps
+  python3 - "$case_dir" <<'PY'
+import sys
+from pathlib import Path
+from zbench.config import dump_yaml, from_dict
+case = Path(sys.argv[1])
+case.mkdir(parents=True)
+cfg = {"name": "mps", "algorithm": "ppo", "steps": 3, "seed": 11,
+       "trainer": {"world_size": 1, "device": "cuda", "critic_update": "overlap", "critic_sm_percent": 50}}
+(case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
+PY
+  timeout "${CASE_TIMEOUT_S:-170}" python3 -m zbench.engine "$case_dir" > "$out/mps-case.log" 2>&1
+  echo "engine exit code $?" | tee -a "$out/mps-case.log"
+  grep -h "NVIDIA MPS\|^step:" "$out/mps-case.log" | cut -c1-200
+  cp "$case_dir/metrics.jsonl" "$out/mps-case-metrics.jsonl" 2>/dev/null
+  echo "MPS processes left: $(pgrep -fa nvidia-cuda-mps || echo none)" | tee -a "$out/mps-case.log"
+  exit 0
+fi
 args=(--engine "$engine")
 if [ "$engine" = vllm ]; then
   [ -f /tmp/zbench-gsm8k/train.parquet ] || python3 -m zbench data gsm8k --src "${GSM8K_DIR:-.gsm8k}" --out /tmp/zbench-gsm8k > /dev/null

@@ -1,0 +1,169 @@
+"""trainer.critic_sm_percent: the case's private NVIDIA MPS server (zbench.engine.mps) and the checks around it.
+
+MPS needs an NVIDIA GPU and its driver's `nvidia-cuda-mps-control`; on a CPU host the daemon's lifecycle runs
+against a stand-in control program that keeps the real one's contract as zbench uses it (`-f`: run in the
+foreground and make `$CUDA_MPS_PIPE_DIRECTORY/control`; no argument: pass stdin's command to the daemon; `quit`:
+exit). The whole path, a PPO case's workers as MPS clients, runs on a GPU (marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zbench.config import ConfigError, from_dict
+from zbench.engine.mps import LOG_ENV, PIPE_ENV, MPSError, MPSServer
+
+STAND_IN = f"""#!{sys.executable}
+import os, sys
+control = os.path.join(os.environ["{PIPE_ENV}"], "control")
+if sys.argv[1:] == ["-f"]:
+    if os.environ.get("STAND_IN_FAIL"):
+        print("no CUDA-capable device is detected", flush=True)
+        sys.exit(3)
+    os.mkfifo(control)
+    print("daemon up", flush=True)
+    while True:
+        with open(control) as pipe:
+            command = pipe.read().strip()
+        print("got", command, flush=True)
+        if command == "quit" and not os.environ.get("STAND_IN_DEAF"):
+            os.unlink(control)
+            sys.exit(0)
+else:
+    with open(control, "w") as pipe:
+        pipe.write(sys.stdin.read())
+"""
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> str:
+    path = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    path.parent.mkdir()
+    path.write_text(STAND_IN)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_server_starts_serves_its_pipe_and_quits(tmp_path: Path, control: str) -> None:
+    server = MPSServer(tmp_path / "mps", control=control)
+    server.start()
+    try:
+        assert stat.S_ISFIFO((tmp_path / "mps" / "pipe" / "control").stat().st_mode)
+        assert server.client_env() == {PIPE_ENV: str(tmp_path / "mps" / "pipe"), LOG_ENV: str(tmp_path / "mps" / "log")}
+        assert oct((tmp_path / "mps" / "pipe").stat().st_mode & 0o777) == oct(0o700)
+        daemon = server.proc
+        assert daemon is not None and daemon.poll() is None
+    finally:
+        server.stop()
+    assert daemon.returncode == 0  # it quit when asked, not killed
+    assert "got quit" in (tmp_path / "mps" / "log" / "daemon.out").read_text()
+    server.stop()  # twice is fine
+
+
+def test_a_daemon_that_ignores_quit_is_killed(tmp_path: Path, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAND_IN_DEAF", "1")
+    server = MPSServer(tmp_path / "mps", control=control)
+    server.start()
+    daemon = server.proc
+    start = time.monotonic()
+    server.stop(timeout_s=1.0)
+    assert daemon is not None and daemon.returncode == -9 and time.monotonic() - start < 10
+    assert not psutil.pid_exists(daemon.pid) or psutil.Process(daemon.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_daemon_that_fails_is_reported_with_its_output(tmp_path: Path, control: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAND_IN_FAIL", "1")
+    server = MPSServer(tmp_path / "mps", control=control)
+    with pytest.raises(MPSError, match=r"exited with code 3 .*no CUDA-capable device is detected"):
+        server.start()
+    assert server.proc is None
+
+
+def test_no_control_program_names_the_way_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MPSError, match=r"nvidia-cuda-mps-control is not on PATH.*trainer.critic_sm_percent=0"):
+        MPSServer(tmp_path / "mps")
+
+
+PPO_OVERLAP = {"algorithm": "ppo", "trainer": {"critic_update": "overlap", "critic_sm_percent": 50}}
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"trainer": {"critic_sm_percent": 101}}, "must be a share of the SMs in 1..100, or 0 for no MPS; got 101"),
+    ({"trainer": {"critic_update": "serial"}}, "critic_update=serial the critic's update runs alone"),
+    ({"trainer": {"device": "cpu"}}, "trainer.device=cpu has none"),
+    ({"algorithm": "grpo", "rollout": {"n": 2}}, "the grpo estimator trains no critic: use 0"),
+])
+def test_config_refuses_what_mps_cannot_help(changes: dict, says: str) -> None:
+    data = {"algorithm": PPO_OVERLAP["algorithm"], "trainer": dict(PPO_OVERLAP["trainer"])}
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+    with pytest.raises(ConfigError, match="critic_sm_percent") as err:
+        from_dict(data)
+    assert says in str(err.value)
+
+
+def test_config_takes_a_share_with_the_critic_beside_other_work() -> None:
+    for mode in ("overlap", "concurrent"):
+        cfg = from_dict({"algorithm": "ppo", "trainer": {"critic_update": mode, "critic_sm_percent": 40}})
+        assert cfg.trainer.critic_sm_percent == 40
+
+
+def test_gpu_defaults_put_the_critic_beside_the_rollout_where_a_share_is_asked() -> None:
+    """On a GPU, ZeRO-1/2 without offload take critic_update=overlap by default, so an SM share needs no more; where
+    the default stays serial (ZeRO-3 without offload) the share is refused, naming what to set."""
+    from zbench.harness.matrix import expand, load_matrix
+
+    sets = [("trainer.device", "cuda"), ("trainer.critic_sm_percent", 50)]
+    [case] = expand(load_matrix("six-case"), sets=sets, case_globs=["zero1_no_offload"], device_defaults=True,
+                    on_cuda=True)
+    assert case.config.trainer.critic_update == "overlap" and case.config.trainer.critic_sm_percent == 50
+    with pytest.raises(ConfigError, match=r"critic_sm_percent: with critic_update=serial .*use critic_update=overlap"):
+        expand(load_matrix("six-case"), sets=sets, case_globs=["zero3_no_offload"], device_defaults=True, on_cuda=True)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the refusal on a host without a GPU")
+def test_engine_without_a_gpu_exits_2_naming_the_key(tmp_path: Path) -> None:
+    from zbench.config import dump_yaml
+
+    case = tmp_path / "mps"
+    case.mkdir()
+    (case / "config.yaml").write_text(dump_yaml(from_dict({"name": "mps", **PPO_OVERLAP, "steps": 1})))
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    assert ("trainer.critic_sm_percent: runs the case's GPU processes through a private NVIDIA MPS server, but this "
+            "host has no CUDA device: use 0") in res.stdout
+
+
+@pytest.mark.gpu
+def test_ppo_case_runs_its_critic_through_mps(tmp_path: Path) -> None:
+    """On a GPU with MPS: a PPO case whose critic updates behind the rollout through the private server finishes,
+    says so in its log, and leaves no MPS process behind."""
+    import torch
+
+    if not torch.cuda.is_available() or shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("needs a CUDA GPU and nvidia-cuda-mps-control")
+    from zbench.config import dump_yaml
+
+    case = tmp_path / "mps"
+    case.mkdir()
+    cfg = {"name": "mps", **PPO_OVERLAP, "steps": 3, "trainer": {**PPO_OVERLAP["trainer"], "world_size": 1}}
+    (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
+    res = subprocess.run([sys.executable, "-m", "zbench.engine", str(case)], capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    assert "NVIDIA MPS server at" in res.stdout and "at most 50 % of each GPU's SMs" in res.stdout
+    assert len((case / "metrics.jsonl").read_text().splitlines()) == 3
+    left = [p.info["name"] for p in psutil.process_iter(["name"]) if "nvidia-cuda-mps" in (p.info["name"] or "")]
+    assert not left, left

@@ -1,0 +1,84 @@
+"""A private NVIDIA MPS server for one case's GPU processes (`trainer.critic_sm_percent`).
+
+Without MPS a GPU runs the kernels of one process at a time and switches between processes by time slices, so
+PPO's critic update behind the rollout (`trainer.critic_update` overlap) takes turns with the decode rather than
+filling the SMs the decode leaves idle. Through MPS the processes' kernels run at once; each client may be capped
+to a share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), so the update takes what the decode does not.
+
+The control daemon runs in the foreground as a child of the engine, in the case's process group, so that the
+harness's kill of a hung or crashed case takes it (and the server it starts) down too. Its pipe and log folders
+live in the case's private Ray folder; clients find it through `CUDA_MPS_PIPE_DIRECTORY`, which the case passes to
+its Ray workers. `stop` asks the daemon to quit (it stops its server first) and kills it if it does not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+class MPSError(RuntimeError):
+    """The MPS control daemon could not be found or started; the message says why and what to do."""
+
+
+class MPSServer:
+    """One private MPS control daemon, its pipe and logs under `folder`."""
+
+    def __init__(self, folder: Path, control: str | None = None):
+        found = control or shutil.which(CONTROL)
+        if not found:
+            raise MPSError(f"{CONTROL} is not on PATH: NVIDIA MPS comes with the driver's utilities; install them, "
+                           "or set trainer.critic_sm_percent=0 (no MPS)")
+        self.control = found
+        self.pipe, self.logs = folder / "pipe", folder / "log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def client_env(self) -> dict[str, str]:
+        """What a process needs in its environment to run its kernels through this server."""
+        return {PIPE_ENV: str(self.pipe), LOG_ENV: str(self.logs)}
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        """Start the daemon and wait for its control pipe; on failure, stop it and raise with its log's tail."""
+        for folder in (self.pipe, self.logs):
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with (self.logs / "daemon.out").open("ab") as out:
+            self.proc = subprocess.Popen([self.control, "-f"], env={**os.environ, **self.client_env()},
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not (self.pipe / "control").exists():
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.stop()
+                why = f"exited with code {code}" if code is not None else f"made no control pipe in {timeout_s:.0f} s"
+                raise MPSError(f"{CONTROL} -f {why} (pipe {self.pipe}); its output: {self._log_tail()!r}")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the daemon to quit, then kill it if it has not within `timeout_s`; safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                subprocess.run([self.control], input=b"quit\n", env={**os.environ, **self.client_env()},
+                               capture_output=True, timeout=timeout_s, check=False)
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait()
+
+    def _log_tail(self, chars: int = 600) -> str:
+        texts = []
+        for name in ("daemon.out", "control.log"):
+            path = self.logs / name
+            if path.is_file():
+                texts.append(path.read_text(errors="replace"))
+        return "".join(texts)[-chars:].strip()
