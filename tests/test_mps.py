@@ -80,6 +80,23 @@ def test_a_daemon_that_ignores_quit_is_killed(tmp_path: Path, control: str, monk
     assert not psutil.pid_exists(daemon.pid) or psutil.Process(daemon.pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_the_daemon_goes_down_with_a_killed_case(tmp_path: Path, control: str) -> None:
+    """The harness kills a hung case's process group; the daemon, the engine's child, is in it (no session of its
+    own), so it goes too."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from zbench.engine.mps import MPSServer; "
+         "s = MPSServer(Path(sys.argv[1]), control=sys.argv[2]); s.start(); print(s.proc.pid, flush=True); "
+         "time.sleep(300)", str(tmp_path / "mps"), control],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert engine.stdout is not None
+    daemon = psutil.Process(int(engine.stdout.readline()))
+    assert os.getpgid(daemon.pid) == engine.pid
+    os.killpg(engine.pid, 9)
+    engine.wait(10)
+    gone, _ = psutil.wait_procs([daemon], timeout=10)
+    assert gone or daemon.status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_daemon_that_fails_is_reported_with_its_output(tmp_path: Path, control: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_FAIL", "1")
