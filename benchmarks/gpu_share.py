@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("graph", "vllm"), default="graph",
                         help="decode: zbench's CUDA-graph loop (random prompts of --width) or a case's vLLM engine "
                              "(--batch prompts from --data, as PPO samples them)")
-    parser.add_argument("--data", default="synthetic", help="vllm: GSM8K train rows (jsonl or parquet)")
+    parser.add_argument("--data", default="synthetic", help="vllm: a GSM8K parquet from `zbench data gsm8k`, or synthetic")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--active", default="0:10", help="the rounds A:B (A <= round < B) this process works in; in "
                         "the others it only meets the barrier, so the other process is measured alone")

@@ -13,7 +13,7 @@ where zbench keeps it in the trainer's process for the weight push). GSM8K promp
   (a GPU busy far below 100 % means the host, not the GPU, sets the pace), and the top kernels;
 - `host`: one rollout under cProfile, the functions with the most own time.
 
-    python benchmarks/vllm_profile.py --data .gsm8k/train.jsonl --prompts 32 --n 4 --new-tokens 512 \
+    python benchmarks/vllm_profile.py --data data/gsm8k/train.parquet --prompts 32 --n 4 --new-tokens 512 \
         --variant '{"name": "sync", "engine": {"async_scheduling": false}}'
 
 One JSON line per measurement on stdout, each naming the GPUs the process saw (`CUDA_VISIBLE_DEVICES`). Several
@@ -106,7 +106,7 @@ def engine_and_batch(args: argparse.Namespace,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--data", default="synthetic", help="GSM8K train rows (jsonl or parquet)")
+    ap.add_argument("--data", default="synthetic", help="a GSM8K parquet from `zbench data gsm8k`, or synthetic")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=512)
