@@ -8,6 +8,7 @@ exit). The whole path, a PPO case's workers as MPS clients, runs on a GPU (marke
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -54,7 +55,7 @@ def control(tmp_path: Path) -> str:
 
 
 def test_server_starts_serves_its_pipe_and_quits(tmp_path: Path, control: str) -> None:
-    server = MPSServer(tmp_path / "mps", control=control)
+    server = MPSServer(tmp_path / "mps" / "pipe", tmp_path / "mps" / "log", control=control)
     server.start()
     try:
         assert stat.S_ISFIFO((tmp_path / "mps" / "pipe" / "control").stat().st_mode)
@@ -69,9 +70,29 @@ def test_server_starts_serves_its_pipe_and_quits(tmp_path: Path, control: str) -
     server.stop()  # twice is fine
 
 
+CONTROL_LOG = """\
+[2026-11-27 02:42:28.788 Control  1063] Starting control daemon using socket /tmp/zbench-mps/pipe/control
+[2026-11-27 02:50:05.607 Control  1063] Accepting connection...
+[2026-11-27 02:50:05.607 Control  1063] User did not send valid credentials
+[2026-11-27 02:50:05.608 Control  1063] NEW CLIENT 1866 from user 0: Server is not ready, push client to pending list
+[2026-11-27 02:50:05.608 Control  1922] Starting new server 1922 for user 0
+[2026-11-27 02:50:05.875 Control  1063] NEW SERVER 1922: Ready
+[2026-11-27 02:50:06.369 Control  1063] NEW CLIENT 1866 from user 0: Server already exists
+[2026-11-27 02:50:18.762 Control  1063] NEW CLIENT 1987 from user 0: Server already exists
+"""  # as the daemon wrote it on an H100 (results/reference/h100-gpu-share-20261127/logs/mps-vllm/control.log)
+
+
+def test_clients_are_the_processes_the_daemon_logged(tmp_path: Path) -> None:
+    server = MPSServer(tmp_path / "pipe", tmp_path / "log", control="/bin/true")
+    assert server.clients() == set()  # no log yet: nobody connected
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "control.log").write_text(CONTROL_LOG)
+    assert server.clients() == {1866, 1987}
+
+
 def test_a_daemon_that_ignores_quit_is_killed(tmp_path: Path, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_DEAF", "1")
-    server = MPSServer(tmp_path / "mps", control=control)
+    server = MPSServer(tmp_path / "mps" / "pipe", tmp_path / "mps" / "log", control=control)
     server.start()
     daemon = server.proc
     start = time.monotonic()
@@ -85,7 +106,7 @@ def test_the_daemon_goes_down_with_a_killed_case(tmp_path: Path, control: str) -
     own), so it goes too."""
     engine = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from zbench.engine.mps import MPSServer; "
-         "s = MPSServer(Path(sys.argv[1]), control=sys.argv[2]); s.start(); print(s.proc.pid, flush=True); "
+         "s = MPSServer(Path(sys.argv[1]) / 'pipe', Path(sys.argv[1]) / 'log', control=sys.argv[2]); s.start(); print(s.proc.pid, flush=True); "
          "time.sleep(300)", str(tmp_path / "mps"), control],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert engine.stdout is not None
@@ -100,7 +121,7 @@ def test_the_daemon_goes_down_with_a_killed_case(tmp_path: Path, control: str) -
 def test_a_daemon_that_fails_is_reported_with_its_output(tmp_path: Path, control: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_FAIL", "1")
-    server = MPSServer(tmp_path / "mps", control=control)
+    server = MPSServer(tmp_path / "mps" / "pipe", tmp_path / "mps" / "log", control=control)
     with pytest.raises(MPSError, match=r"exited with code 3 .*no CUDA-capable device is detected"):
         server.start()
     assert server.proc is None
@@ -109,7 +130,7 @@ def test_a_daemon_that_fails_is_reported_with_its_output(tmp_path: Path, control
 def test_no_control_program_names_the_way_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(MPSError, match=r"nvidia-cuda-mps-control is not on PATH.*trainer.critic_sm_percent=0"):
-        MPSServer(tmp_path / "mps")
+        MPSServer(tmp_path / "mps" / "pipe", tmp_path / "mps" / "log")
 
 
 PPO_OVERLAP = {"algorithm": "ppo", "trainer": {"critic_update": "overlap", "critic_sm_percent": 50}}
@@ -166,7 +187,7 @@ def test_engine_without_a_gpu_exits_2_naming_the_key(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_ppo_case_runs_its_critic_through_mps(tmp_path: Path) -> None:
     """On a GPU with MPS: a PPO case whose critic updates behind the rollout through the private server finishes,
-    says so in its log, and leaves no MPS process behind."""
+    says so in its log and its result (every worker connected), and leaves no MPS process behind."""
     import torch
 
     if not torch.cuda.is_available() or shutil.which("nvidia-cuda-mps-control") is None:
@@ -182,5 +203,8 @@ def test_ppo_case_runs_its_critic_through_mps(tmp_path: Path) -> None:
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert "NVIDIA MPS server at" in res.stdout and "at most 50 % of each GPU's SMs" in res.stdout
     assert len((case / "metrics.jsonl").read_text().splitlines()) == 3
+    # both workers (actor and critic) connected to the server, as its log in the case's folder says
+    assert json.loads((case / "result.json").read_text())["mps"] == {"critic_sm_percent": 50, "client_processes": 2}
+    assert "NEW CLIENT" in (case / "mps" / "control.log").read_text()
     left = [p.info["name"] for p in psutil.process_iter(["name"]) if "nvidia-cuda-mps" in (p.info["name"] or "")]
     assert not left, left

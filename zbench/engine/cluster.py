@@ -119,6 +119,10 @@ def _node_id(actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _pid(actor: Any) -> int:
+    return os.getpid()
+
+
 class WorkerGroup:
     """One Ray actor per rank, each pinned to its bundle of a shared placement group."""
 
@@ -163,6 +167,10 @@ class WorkerGroup:
     def nodes(self) -> list[str]:
         """The Ray node id each rank runs on, in rank order."""
         return ray.get([h.__ray_call__.remote(_node_id) for h in self.handles])
+
+    def pids(self) -> list[int]:
+        """The process id of each rank's worker, in rank order."""
+        return ray.get([h.__ray_call__.remote(_pid) for h in self.handles])
 
     def kill(self) -> None:
         for h in self.handles:

@@ -6,14 +6,17 @@ filling the SMs the decode leaves idle. Through MPS the processes' kernels run a
 to a share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), so the update takes what the decode does not.
 
 The control daemon runs in the foreground as a child of the engine, in the case's process group, so that the
-harness's kill of a hung or crashed case takes it (and the server it starts) down too. Its pipe and log folders
-live in the case's private Ray folder; clients find it through `CUDA_MPS_PIPE_DIRECTORY`, which the case passes to
-its Ray workers. `stop` asks the daemon to quit (it stops its server first) and kills it if it does not.
+harness's kill of a hung or crashed case takes it (and the server it starts) down too. Its pipe lives in the case's
+private Ray folder (a socket path must stay short), its logs in the case's folder; clients find it through
+`CUDA_MPS_PIPE_DIRECTORY`, which the case passes to its Ray workers. A process that cannot reach the daemon runs
+without MPS and says nothing, so `clients` reads from the daemon's log which processes did connect, for the case to
+check against its workers. `stop` asks the daemon to quit (it stops its server first) and kills it if it does not.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -23,6 +26,7 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+CLIENT_LINE = re.compile(r"NEW CLIENT (\d+) from user")  # control.log, one per CUDA context a process opens
 
 
 class MPSError(RuntimeError):
@@ -30,15 +34,15 @@ class MPSError(RuntimeError):
 
 
 class MPSServer:
-    """One private MPS control daemon, its pipe and logs under `folder`."""
+    """One private MPS control daemon: its pipe in `pipe`, its logs in `logs`."""
 
-    def __init__(self, folder: Path, control: str | None = None):
+    def __init__(self, pipe: Path, logs: Path, control: str | None = None):
         found = control or shutil.which(CONTROL)
         if not found:
             raise MPSError(f"{CONTROL} is not on PATH: NVIDIA MPS comes with the driver's utilities; install them, "
                            "or set trainer.critic_sm_percent=0 (no MPS)")
         self.control = found
-        self.pipe, self.logs = folder / "pipe", folder / "log"
+        self.pipe, self.logs = pipe, logs
         self.proc: subprocess.Popen[bytes] | None = None
 
     def client_env(self) -> dict[str, str]:
@@ -74,6 +78,12 @@ class MPSServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
         proc.wait()
+
+    def clients(self) -> set[int]:
+        """The process ids that have connected to the daemon so far, from its log."""
+        path = self.logs / "control.log"
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        return {int(pid) for pid in CLIENT_LINE.findall(text)}
 
     def _log_tail(self, chars: int = 600) -> str:
         texts = []

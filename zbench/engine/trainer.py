@@ -218,6 +218,8 @@ class Trainer:
         if self.critic:
             self.info["critic"] = self.critic.call("setup")[0]
         self.records.beat()
+        if self.mps is not None:
+            self.info["mps"] = self._check_mps_clients()
 
     def _start_mps(self, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
         """Start the case's MPS server (`trainer.critic_sm_percent`) in its Ray folder; the workers' environments:
@@ -225,7 +227,7 @@ class Trainer:
         from zbench.engine.cluster import ray_tmpdir
 
         try:
-            server = MPSServer(ray_tmpdir(self.process_dir) / "mps")
+            server = MPSServer(ray_tmpdir(self.process_dir) / "mps", self.process_dir / "mps")
         except MPSError as err:  # no control program on this host: no retry will find one
             raise ConfigError("trainer.critic_sm_percent", str(err)) from None
         server.start()
@@ -234,6 +236,19 @@ class Trainer:
               f"{self.cfg.trainer.critic_sm_percent} % of each GPU's SMs", flush=True)
         shared = {**env, **server.client_env()}
         return shared, {**shared, SM_SHARE_ENV: str(self.cfg.trainer.critic_sm_percent)}
+
+    def _check_mps_clients(self) -> dict[str, Any]:
+        """Every worker has its model on the GPU by now; a worker that did not reach the MPS server would run its
+        kernels in time slices while the case says otherwise, so that is an error. What took effect, for the result."""
+        assert self.mps is not None
+        workers = [pid for g in (self.policy, self.critic) if g is not None for pid in g.pids()]
+        connected = self.mps.clients()
+        missing = sorted(set(workers) - connected)
+        if missing:
+            raise RuntimeError(f"trainer.critic_sm_percent: worker processes {missing} of {sorted(workers)} did not "
+                               f"connect to the case's MPS server (its log: {self.mps.logs / 'control.log'}); their "
+                               "kernels would take time slices, not run beside each other")
+        return {"critic_sm_percent": self.cfg.trainer.critic_sm_percent, "client_processes": len(workers)}
 
     # ------------------------------------------------------------------------------------------- one step
     def step(self, step: int) -> dict[str, float]:
@@ -589,6 +604,7 @@ class Trainer:
                 "fused_head": self.info.get("fused_head"), "head_loss_in_forward": self.info.get("head_loss_in_forward"),
                 "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
+                **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),
             }
             self.records.result(result)

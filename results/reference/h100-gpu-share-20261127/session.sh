@@ -30,6 +30,8 @@ PY
   echo "engine exit code $?" | tee -a "$out/mps-case.log"
   grep -h "NVIDIA MPS\|^step:" "$out/mps-case.log" | cut -c1-200
   cp "$case_dir/metrics.jsonl" "$out/mps-case-metrics.jsonl" 2>/dev/null
+  cp "$case_dir/result.json" "$out/mps-case-result.json" 2>/dev/null && grep -o '"mps": {[^}]*}' "$out/mps-case-result.json"
+  cp -r "$case_dir/mps" "$out/mps-case-log" 2>/dev/null
   echo "MPS processes left: $(pgrep -fa nvidia-cuda-mps || echo none)" | tee -a "$out/mps-case.log"
   exit 0
 fi
