@@ -5,12 +5,14 @@ both start at a shared barrier; the `decode` process samples one rollout (zbench
 round. The update's process builds its model only once the decoder is warm, as a case's engine starts before its
 training. Run with and without NVIDIA MPS in front of the GPU to see what sharing costs each:
 
-    python benchmarks/gpu_share.py decode --barrier /tmp/b --parties 2 --active 0:8 --label shared &
-    python benchmarks/gpu_share.py train --barrier /tmp/b --parties 2 --active 2:10 --label shared
+    b=$(mktemp -d)
+    python benchmarks/gpu_share.py decode --barrier "$b" --parties 2 --active 0:8 --label shared &
+    python benchmarks/gpu_share.py train --barrier "$b" --parties 2 --active 2:10 --label shared
 
 `--active A:B` names the rounds a process works in, so one launch measures each alone and both together (e.g.
 decode in rounds 0-7, train in rounds 2-9: rounds 0-1 time the rollout alone, 8-9 the update alone). One JSON line
-per process on stdout: its label, role and the seconds of each round it worked in.
+per process on stdout: its label, role and the seconds of each round it worked in (`mps`: whether
+`CUDA_MPS_PIPE_DIRECTORY` was set; the daemon's log says which processes connected).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def trainer(args: argparse.Namespace, device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("decode", "train"))
-    parser.add_argument("--barrier", type=Path, required=True, help="an empty folder the processes share")
+    parser.add_argument("--barrier", type=Path, required=True, help="a fresh folder the two processes share")
     parser.add_argument("--parties", type=int, default=1)
     parser.add_argument("--label", default="")
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -121,6 +123,8 @@ def main() -> None:
 
     device = torch.device("cuda")
     args.barrier.mkdir(parents=True, exist_ok=True)
+    if any(args.barrier.glob("end.*")):  # its barriers would all pass at once
+        raise SystemExit(f"--barrier {args.barrier}: holds a finished run's files; give each pair a fresh folder")
     if args.role == "train":
         barrier(args.barrier, "decoder-ready", args.role, args.parties)
     work = decoder(args, device) if args.role == "decode" else trainer(args, device)

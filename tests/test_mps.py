@@ -21,21 +21,24 @@ import psutil
 import pytest
 
 from zbench.config import ConfigError, from_dict
-from zbench.engine.mps import LOG_ENV, PIPE_ENV, MPSError, MPSServer
+from zbench.engine.mps import CONTROL, LOG_ENV, PIPE_ENV, MPSError, MPSServer
 
 STAND_IN = f"""#!{sys.executable}
 import os, sys
 control = os.path.join(os.environ["{PIPE_ENV}"], "control")
 if sys.argv[1:] == ["-f"]:
+    print("daemon up, CUDA_VISIBLE_DEVICES:", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
     if os.environ.get("STAND_IN_FAIL"):
         print("no CUDA-capable device is detected", flush=True)
         sys.exit(3)
     os.mkfifo(control)
-    print("daemon up", flush=True)
     while True:
         with open(control) as pipe:
             command = pipe.read().strip()
         print("got", command, flush=True)
+        if command.startswith("client "):  # what the real daemon prints in the foreground as a process connects
+            print(f"[2026-11-27 02:50:06.369 Control  1063] NEW CLIENT {{command.split()[1]}} from user 0: "
+                  "Server already exists", flush=True)
         if command == "quit" and not os.environ.get("STAND_IN_DEAF"):
             os.unlink(control)
             sys.exit(0)
@@ -88,6 +91,44 @@ def test_clients_are_the_processes_the_daemon_logged(tmp_path: Path) -> None:
     (tmp_path / "log").mkdir()
     (tmp_path / "log" / "control.log").write_text(CONTROL_LOG)
     assert server.clients() == {1866, 1987}
+
+
+def tell(server: MPSServer, command: str) -> None:
+    subprocess.run([server.control], input=command.encode(), env={**os.environ, **server.client_env()}, check=True,
+                   timeout=10)
+
+
+def test_clients_counts_this_daemon_s_connections_only(tmp_path: Path, control: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retried case starts a new daemon over the same log folder: the connections the last one logged are not
+    this one's. The daemon sees every GPU, whatever the engine's CUDA_VISIBLE_DEVICES (clients count among its)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    pipe, logs = tmp_path / "mps" / "pipe", tmp_path / "mps" / "log"
+    first = MPSServer(pipe, logs, control=control)
+    first.start()
+    tell(first, "client 111")
+    time.sleep(0.2)
+    assert first.clients() == {111}
+    first.stop()
+    second = MPSServer(pipe, logs, control=control)
+    second.start()
+    try:
+        tell(second, "client 222")
+        time.sleep(0.2)
+        assert second.clients() == {222}
+    finally:
+        second.stop()
+    assert "CUDA_VISIBLE_DEVICES: None" in (logs / "daemon.out").read_text()
+
+
+def test_a_stale_pipe_does_not_pass_for_a_running_daemon(tmp_path: Path, control: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = tmp_path / "mps" / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "control").write_text("")  # left by a daemon killed with its case
+    monkeypatch.setenv("STAND_IN_FAIL", "1")
+    with pytest.raises(MPSError, match="exited with code 3"):
+        MPSServer(pipe, tmp_path / "mps" / "log", control=control).start()
 
 
 def test_a_daemon_that_ignores_quit_is_killed(tmp_path: Path, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,6 +192,11 @@ def test_config_refuses_what_mps_cannot_help(changes: dict, says: str) -> None:
     assert says in str(err.value)
 
 
+def test_config_names_the_missing_critic_before_the_serial_update() -> None:
+    with pytest.raises(ConfigError, match="the grpo estimator trains no critic: use 0"):
+        from_dict({"algorithm": "grpo", "rollout": {"n": 2}, "trainer": {"critic_sm_percent": 50}})
+
+
 def test_config_takes_a_share_with_the_critic_beside_other_work() -> None:
     for mode in ("overlap", "concurrent"):
         cfg = from_dict({"algorithm": "ppo", "trainer": {"critic_update": mode, "critic_sm_percent": 40}})
@@ -166,7 +212,7 @@ def test_gpu_defaults_put_the_critic_beside_the_rollout_where_a_share_is_asked()
     [case] = expand(load_matrix("six-case"), sets=sets, case_globs=["zero1_no_offload"], device_defaults=True,
                     on_cuda=True)
     assert case.config.trainer.critic_update == "overlap" and case.config.trainer.critic_sm_percent == 50
-    with pytest.raises(ConfigError, match=r"critic_sm_percent: with critic_update=serial .*use critic_update=overlap"):
+    with pytest.raises(ConfigError, match=r"critic_sm_percent: with trainer.critic_update=serial .*use critic_update=overlap"):
         expand(load_matrix("six-case"), sets=sets, case_globs=["zero3_no_offload"], device_defaults=True, on_cuda=True)
 
 
@@ -206,5 +252,7 @@ def test_ppo_case_runs_its_critic_through_mps(tmp_path: Path) -> None:
     # both workers (actor and critic) connected to the server, as its log in the case's folder says
     assert json.loads((case / "result.json").read_text())["mps"] == {"critic_sm_percent": 50, "client_processes": 2}
     assert "NEW CLIENT" in (case / "mps" / "control.log").read_text()
-    left = [p.info["name"] for p in psutil.process_iter(["name"]) if "nvidia-cuda-mps" in (p.info["name"] or "")]
+    # the case's daemon runs in the foreground (-f); a host's own MPS daemon (-d) is not the case's
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [])[:1] and p.info["cmdline"][0].endswith(CONTROL) and "-f" in p.info["cmdline"]]
     assert not left, left

@@ -392,10 +392,6 @@ class TrainerConfig:
         if self.critic_sm_percent and self.device == "cpu":
             raise ConfigError("critic_sm_percent", "shares GPUs through NVIDIA MPS; trainer.device=cpu has none: "
                                                    "use 0")
-        if self.critic_sm_percent and self.critic_update == "serial":
-            raise ConfigError("critic_sm_percent", "with critic_update=serial the critic's update runs alone on the "
-                                                   "GPU, so MPS would change nothing: use critic_update=overlap or "
-                                                   "concurrent, or 0")
         for name in self.logger:
             _choice("logger", name, LOGGERS)
         if len(set(self.logger)) < len(self.logger):
@@ -451,6 +447,11 @@ class RunConfig:
         if self.trainer.critic_sm_percent and not self.needs_critic:
             raise ConfigError("trainer.critic_sm_percent", f"shares a GPU between the critic's update and other work; "
                                                            f"the {self.adv_estimator} estimator trains no critic: use 0")
+        if self.trainer.critic_sm_percent and self.trainer.critic_update == "serial":
+            raise ConfigError("trainer.critic_sm_percent",
+                              "with trainer.critic_update=serial the critic's update runs alone on the GPU, so MPS "
+                              "would change nothing: use critic_update=overlap or concurrent (on a GPU, ZeRO-1/2 "
+                              "without offload take overlap by default), or 0")
         if self.trainer.profile_step > self.steps:
             raise ConfigError("trainer.profile_step", f"{self.trainer.profile_step} is past the last step "
                                                       f"({self.steps}); choose 1..{self.steps}, or 0 for none")

@@ -33,6 +33,14 @@ class MPSError(RuntimeError):
     """The MPS control daemon could not be found or started; the message says why and what to do."""
 
 
+LOGS = ("daemon.out", "control.log")  # the daemon's output in the foreground (-f), and the log it may write too
+
+
+def has_control() -> bool:
+    """Whether this host has NVIDIA MPS's control program on the PATH."""
+    return shutil.which(CONTROL) is not None
+
+
 class MPSServer:
     """One private MPS control daemon: its pipe in `pipe`, its logs in `logs`."""
 
@@ -44,51 +52,66 @@ class MPSServer:
         self.control = found
         self.pipe, self.logs = pipe, logs
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_start: dict[str, int] = {}  # where this daemon's lines begin in each log (an attempt before appended)
 
     def client_env(self) -> dict[str, str]:
         """What a process needs in its environment to run its kernels through this server."""
         return {PIPE_ENV: str(self.pipe), LOG_ENV: str(self.logs)}
 
+    def _daemon_env(self) -> dict[str, str]:
+        """The daemon sees every GPU: a client's CUDA_VISIBLE_DEVICES (Ray's GPU ids) counts among the server's
+        devices, so a server limited to some would renumber them."""
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        return {**env, **self.client_env()}
+
     def start(self, timeout_s: float = 20.0) -> None:
-        """Start the daemon and wait for its control pipe; on failure, stop it and raise with its log's tail."""
-        for folder in (self.pipe, self.logs):
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Start the daemon and wait for its control pipe; on failure, stop it and raise with its output."""
+        self.pipe.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in self.pipe.iterdir():  # a killed daemon's pipe would pass for this one's
+            stale.unlink()
+        self._log_start = {name: (self.logs / name).stat().st_size if (self.logs / name).is_file() else 0
+                           for name in LOGS}
         with (self.logs / "daemon.out").open("ab") as out:
-            self.proc = subprocess.Popen([self.control, "-f"], env={**os.environ, **self.client_env()},
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([self.control, "-f"], env=self._daemon_env(), stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not (self.pipe / "control").exists():
             code = self.proc.poll()
             if code is not None or time.monotonic() > deadline:
                 self.stop()
                 why = f"exited with code {code}" if code is not None else f"made no control pipe in {timeout_s:.0f} s"
-                raise MPSError(f"{CONTROL} -f {why} (pipe {self.pipe}); its output: {self._log_tail()!r}")
+                raise MPSError(f"{CONTROL} -f {why} (pipe {self.pipe}); its output: {self._own_log()[-600:].strip()!r}")
             time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the daemon to quit, then kill it if it has not within `timeout_s`; safe to call twice."""
+        """Ask the daemon to quit, then kill it if it has not within `timeout_s`; safe to call twice, and the daemon
+        is gone afterwards whatever interrupts the asking."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            try:
-                subprocess.run([self.control], input=b"quit\n", env={**os.environ, **self.client_env()},
-                               capture_output=True, timeout=timeout_s, check=False)
+        try:
+            if proc.poll() is None:
+                subprocess.run([self.control], input=b"quit\n", env=self._daemon_env(), capture_output=True,
+                               timeout=timeout_s, check=False)
                 proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
                 proc.kill()
-        proc.wait()
+            proc.wait()
 
     def clients(self) -> set[int]:
-        """The process ids that have connected to the daemon so far, from its log."""
-        path = self.logs / "control.log"
-        text = path.read_text(errors="replace") if path.is_file() else ""
-        return {int(pid) for pid in CLIENT_LINE.findall(text)}
+        """The process ids that have connected to this daemon so far, from what it logged since it started."""
+        return {int(pid) for pid in CLIENT_LINE.findall(self._own_log())}
 
-    def _log_tail(self, chars: int = 600) -> str:
+    def _own_log(self) -> str:
         texts = []
-        for name in ("daemon.out", "control.log"):
+        for name in LOGS:
             path = self.logs / name
             if path.is_file():
-                texts.append(path.read_text(errors="replace"))
-        return "".join(texts)[-chars:].strip()
+                with path.open("rb") as f:
+                    f.seek(self._log_start.get(name, 0))
+                    texts.append(f.read().decode(errors="replace"))
+        return "".join(texts)

@@ -42,7 +42,7 @@ from zbench.engine.batches import (
     shard,
 )
 from zbench.engine.faults import maybe_inject
-from zbench.engine.mps import SM_SHARE_ENV, MPSError, MPSServer
+from zbench.engine.mps import CONTROL, SM_SHARE_ENV, MPSServer, has_control
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
@@ -149,6 +149,8 @@ class Trainer:
             where = "" if self.on_cuda else "this host has no CUDA device"
             if not where and os.environ.get("ZBENCH_RAY_ADDRESS", "").strip():
                 where = "this case runs on a Ray cluster (ZBENCH_RAY_ADDRESS), whose other nodes it cannot start it on"
+            if not where and not has_control():
+                where = f"{CONTROL} is not on PATH (NVIDIA MPS comes with the driver's utilities)"
             if where:
                 raise ConfigError("trainer.critic_sm_percent", f"runs the case's GPU processes through a private "
                                                                f"NVIDIA MPS server, but {where}: use 0")
@@ -226,12 +228,8 @@ class Trainer:
         the actor's with the server's pipe, the critic's with its SM cap as well."""
         from zbench.engine.cluster import ray_tmpdir
 
-        try:
-            server = MPSServer(ray_tmpdir(self.process_dir) / "mps", self.process_dir / "mps")
-        except MPSError as err:  # no control program on this host: no retry will find one
-            raise ConfigError("trainer.critic_sm_percent", str(err)) from None
-        server.start()
-        self.mps = server
+        server = self.mps = MPSServer(ray_tmpdir(self.process_dir) / "mps", self.process_dir / "mps")
+        server.start()  # `close` stops it, whatever interrupts this
         print(f"[zbench] NVIDIA MPS server at {server.pipe}: the critic's kernels use at most "
               f"{self.cfg.trainer.critic_sm_percent} % of each GPU's SMs", flush=True)
         shared = {**env, **server.client_env()}
@@ -620,19 +618,22 @@ class Trainer:
         if not ray.is_initialized():
             self._stop_mps()
             return
-        for group in (self.policy, self.critic):
-            if group is not None:
-                try:
-                    group.call("shutdown")
-                except Exception as err:  # a dead worker must not stop the others from being cleaned up
-                    print(f"[zbench] {group.name} shutdown: {err}", flush=True)
-                group.kill()
-        if getattr(self, "placement", None) is not None:
-            self.placement.remove()
-        ray.shutdown()
-        self._stop_mps()  # its clients are gone with the workers; its pipe lives in the Ray folder
-        # a private Ray's folder goes with it, also when the engine runs without the launcher (which removes it too)
-        remove_ray_tmpdir(self.process_dir)
+        try:
+            for group in (self.policy, self.critic):
+                if group is not None:
+                    try:
+                        group.call("shutdown")
+                    except Exception as err:  # a dead worker must not stop the others from being cleaned up
+                        print(f"[zbench] {group.name} shutdown: {err}", flush=True)
+                    group.kill()
+            if getattr(self, "placement", None) is not None:
+                self.placement.remove()
+            ray.shutdown()
+        finally:
+            self._stop_mps()  # its clients are gone with the workers; its pipe lives in the Ray folder
+            # a private Ray's folder goes with it, also when the engine runs without the launcher (which removes it
+            # too)
+            remove_ray_tmpdir(self.process_dir)
 
     def _stop_mps(self) -> None:
         if self.mps is not None:
