@@ -15,6 +15,7 @@ check against its workers. `stop` asks the daemon to quit (it stops its server f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -91,12 +92,11 @@ class MPSServer:
         if proc is None:
             return
         try:
-            if proc.poll() is None:
-                subprocess.run([self.control], input=b"quit\n", env=self._daemon_env(), capture_output=True,
-                               timeout=timeout_s, check=False)
-                proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a daemon deaf to quit is killed below
+                if proc.poll() is None:
+                    subprocess.run([self.control], input=b"quit\n", env=self._daemon_env(), capture_output=True,
+                                   timeout=timeout_s, check=False)
+                    proc.wait(timeout_s)
         finally:
             if proc.poll() is None:
                 proc.kill()
