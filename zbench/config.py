@@ -355,7 +355,8 @@ class TrainerConfig:
     critic_update: str = "serial"
     # [experimental] PPO on GPUs, critic_update overlap or concurrent: run the case's GPU processes through a
     # private NVIDIA MPS server, the critic's kernels capped at this share (%) of each GPU's SMs, so that they run
-    # beside the rollout's instead of taking time slices in turn with them; 0: no MPS
+    # beside the rollout's instead of taking time slices in turn with them (50 on 2 x H200: no faster than time
+    # slices beyond the run-to-run spread, results/reference/h200x2-mps-20261127); 0: no MPS
     critic_sm_percent: int = 0
     # where each step's metrics go, verl's key: console (the step line in train.log), tensorboard, wandb, mlflow
     logger: tuple[str, ...] = ("console",)

@@ -26,13 +26,13 @@ cfg = {"name": "mps", "algorithm": "ppo", "steps": 3, "seed": 11,
        "trainer": {"world_size": 1, "device": "cuda", "critic_update": "overlap", "critic_sm_percent": 50}}
 (case / "config.yaml").write_text(dump_yaml(from_dict(cfg)))
 PY
-  timeout "${CASE_TIMEOUT_S:-170}" python3 -m zbench.engine "$case_dir" > "$out/mps-case.log" 2>&1
+  timeout "${CASE_TIMEOUT_S:-600}" python3 -m zbench.engine "$case_dir" > "$out/mps-case.log" 2>&1
   echo "engine exit code $?" | tee -a "$out/mps-case.log"
   grep -h "NVIDIA MPS\|^step:" "$out/mps-case.log" | cut -c1-200
   cp "$case_dir/metrics.jsonl" "$out/mps-case-metrics.jsonl" 2>/dev/null
   cp "$case_dir/result.json" "$out/mps-case-result.json" 2>/dev/null && grep -o '"mps": {[^}]*}' "$out/mps-case-result.json"
   cp -r "$case_dir/mps" "$out/mps-case-log" 2>/dev/null
-  echo "MPS processes left: $(pgrep -fa nvidia-cuda-mps || echo none)" | tee -a "$out/mps-case.log"
+  echo "MPS processes left: $(pgrep -a nvidia-cuda-mps || echo none)" | tee -a "$out/mps-case.log"
   exit 0
 fi
 args=(--engine "$engine")
