@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from zbench.config import ConfigError, from_dict
-from zbench.engine.mps import CONTROL, LOG_ENV, PIPE_ENV, MPSError, MPSServer
+from zbench.engine.mps import CONTROL, LOG_ENV, LOGS, PIPE_ENV, MPSError, MPSServer
 
 STAND_IN = f"""#!{sys.executable}
 import os, sys
@@ -216,6 +216,28 @@ def test_gpu_defaults_put_the_critic_beside_the_rollout_where_a_share_is_asked()
         expand(load_matrix("six-case"), sets=sets, case_globs=["zero3_no_offload"], device_defaults=True, on_cuda=True)
 
 
+def test_trainer_on_a_gpu_host_refuses_a_share_it_cannot_serve(tmp_path: Path, control: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before anything starts: a Ray cluster, whose other nodes the case cannot start a daemon on, and a host without
+    the control program are config errors naming the key (and the program, with the way out)."""
+    from zbench.engine.cluster import ray_tmpdir
+    from zbench.engine.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only what `_mps_server` reads: a GPU host and the case's process folder
+    trainer.on_cuda, trainer.process_dir = True, tmp_path
+    monkeypatch.setenv("ZBENCH_RAY_ADDRESS", "10.0.0.2:6379")
+    with pytest.raises(ConfigError, match=r"trainer.critic_sm_percent: .* but this case runs on a Ray cluster"):
+        trainer._mps_server()
+    monkeypatch.delenv("ZBENCH_RAY_ADDRESS")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no nvidia-cuda-mps-control there
+    with pytest.raises(ConfigError, match=rf"trainer.critic_sm_percent: {CONTROL} is not on PATH.*critic_sm_percent=0"):
+        trainer._mps_server()
+    monkeypatch.setenv("PATH", str(Path(control).parent))
+    server = trainer._mps_server()  # found, not started: `open` starts it
+    assert server.control == control and server.proc is None
+    assert server.pipe == ray_tmpdir(tmp_path) / "mps" and server.logs == tmp_path / "mps"
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="checks the refusal on a host without a GPU")
 def test_engine_without_a_gpu_exits_2_naming_the_key(tmp_path: Path) -> None:
     from zbench.config import dump_yaml
@@ -251,7 +273,8 @@ def test_ppo_case_runs_its_critic_through_mps(tmp_path: Path) -> None:
     assert len((case / "metrics.jsonl").read_text().splitlines()) == 3
     # both workers (actor and critic) connected to the server, as its log in the case's folder says
     assert json.loads((case / "result.json").read_text())["mps"] == {"critic_sm_percent": 50, "client_processes": 2}
-    assert "NEW CLIENT" in (case / "mps" / "control.log").read_text()
+    # in the foreground the daemon logs to its output (daemon.out); control.log where it writes one as well
+    assert "NEW CLIENT" in "".join(f.read_text() for f in (case / "mps").iterdir() if f.name in LOGS)
     # the case's daemon runs in the foreground (-f); a host's own MPS daemon (-d) is not the case's
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
             if (p.info["cmdline"] or [])[:1] and p.info["cmdline"][0].endswith(CONTROL) and "-f" in p.info["cmdline"]]

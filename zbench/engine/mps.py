@@ -27,19 +27,14 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-CLIENT_LINE = re.compile(r"NEW CLIENT (\d+) from user")  # control.log, one per CUDA context a process opens
-
-
-class MPSError(RuntimeError):
-    """The MPS control daemon could not be found or started; the message says why and what to do."""
+CLIENT_LINE = re.compile(r"NEW CLIENT (\d+) from user")  # the daemon's log, one per CUDA context a process opens
 
 
 LOGS = ("daemon.out", "control.log")  # the daemon's output in the foreground (-f), and the log it may write too
 
 
-def has_control() -> bool:
-    """Whether this host has NVIDIA MPS's control program on the PATH."""
-    return shutil.which(CONTROL) is not None
+class MPSError(RuntimeError):
+    """The MPS control daemon could not be found or started; the message says why and what to do."""
 
 
 class MPSServer:

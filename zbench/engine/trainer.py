@@ -42,7 +42,7 @@ from zbench.engine.batches import (
     shard,
 )
 from zbench.engine.faults import maybe_inject
-from zbench.engine.mps import CONTROL, SM_SHARE_ENV, MPSServer, has_control
+from zbench.engine.mps import SM_SHARE_ENV, MPSError, MPSServer
 from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
@@ -144,16 +144,8 @@ class Trainer:
         if want == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device", "'cuda' asked for, but torch sees no CUDA device; use 'auto' or 'cpu'")
         self.on_cuda = self.cfg.trainer.uses_cuda()
-        self.mps: MPSServer | None = None  # trainer.critic_sm_percent: the case's private MPS server
-        if self.cfg.trainer.critic_sm_percent:
-            where = "" if self.on_cuda else "this host has no CUDA device"
-            if not where and os.environ.get("ZBENCH_RAY_ADDRESS", "").strip():
-                where = "this case runs on a Ray cluster (ZBENCH_RAY_ADDRESS), whose other nodes it cannot start it on"
-            if not where and not has_control():
-                where = f"{CONTROL} is not on PATH (NVIDIA MPS comes with the driver's utilities)"
-            if where:
-                raise ConfigError("trainer.critic_sm_percent", f"runs the case's GPU processes through a private "
-                                                               f"NVIDIA MPS server, but {where}: use 0")
+        # trainer.critic_sm_percent: the case's private MPS server, found before anything starts, started in `open`
+        self.mps = self._mps_server() if self.cfg.trainer.critic_sm_percent else None
         from zbench.engine.vllm_rollout import installed_vllm, select_backend
 
         # a backend that cannot run here is a config error before anything starts
@@ -223,12 +215,27 @@ class Trainer:
         if self.mps is not None:
             self.info["mps"] = self._check_mps_clients()
 
-    def _start_mps(self, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-        """Start the case's MPS server (`trainer.critic_sm_percent`) in its Ray folder; the workers' environments:
-        the actor's with the server's pipe, the critic's with its SM cap as well."""
+    def _mps_server(self) -> MPSServer:
+        """The case's MPS server (`trainer.critic_sm_percent`), its pipe in the case's Ray folder; a host or cluster
+        it cannot run on is a config error."""
         from zbench.engine.cluster import ray_tmpdir
 
-        server = self.mps = MPSServer(ray_tmpdir(self.process_dir) / "mps", self.process_dir / "mps")
+        where = "" if self.on_cuda else "this host has no CUDA device"
+        if not where and os.environ.get("ZBENCH_RAY_ADDRESS", "").strip():
+            where = "this case runs on a Ray cluster (ZBENCH_RAY_ADDRESS), whose other nodes it cannot start it on"
+        if where:
+            raise ConfigError("trainer.critic_sm_percent", f"runs the case's GPU processes through a private NVIDIA "
+                                                           f"MPS server, but {where}: use 0")
+        try:
+            return MPSServer(ray_tmpdir(self.process_dir) / "mps", self.process_dir / "mps")
+        except MPSError as err:  # no control program: the message names it and the way out
+            raise ConfigError("trainer.critic_sm_percent", str(err)) from None
+
+    def _start_mps(self, env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Start the case's MPS server; the workers' environments: the actor's with the server's pipe, the critic's
+        with its SM cap as well."""
+        server = self.mps
+        assert server is not None
         server.start()  # `close` stops it, whatever interrupts this
         print(f"[zbench] NVIDIA MPS server at {server.pipe}: the critic's kernels use at most "
               f"{self.cfg.trainer.critic_sm_percent} % of each GPU's SMs", flush=True)
@@ -244,7 +251,7 @@ class Trainer:
         missing = sorted(set(workers) - connected)
         if missing:
             raise RuntimeError(f"trainer.critic_sm_percent: worker processes {missing} of {sorted(workers)} did not "
-                               f"connect to the case's MPS server (its log: {self.mps.logs / 'control.log'}); their "
+                               f"connect to the case's MPS server (its logs: {self.mps.logs}); their "
                                "kernels would take time slices, not run beside each other")
         return {"critic_sm_percent": self.cfg.trainer.critic_sm_percent, "client_processes": len(workers)}
 
