@@ -18,22 +18,9 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
 
 import torch
-
-
-def _kernels(prof: Any, top: int) -> tuple[float, list[dict[str, Any]]]:
-    """Total GPU kernel seconds of a profile and its `top` kernels by total time."""
-    rows = []
-    total = 0.0
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
-        if evt.device_type == torch.autograd.DeviceType.CUDA and us > 0:
-            total += us
-            rows.append({"kernel": evt.key[:120], "s": us / 1e6, "calls": evt.count})
-    rows.sort(key=lambda r: -r["s"])
-    return total / 1e6, rows[:top]
+from vllm_profile import kernel_table  # this script's folder; imports no vLLM
 
 
 def main() -> None:
@@ -85,7 +72,7 @@ def main() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 wall = rollout(99)
-            kernel_s, top = _kernels(prof, args.top)
+            kernel_s, top = kernel_table(prof, args.top)
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s,
                                     "gpu_busy": kernel_s / wall, "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens,
                                     "top": top}), flush=True)
