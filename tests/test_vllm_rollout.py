@@ -17,6 +17,7 @@ from zbench.engine.batches import gather, rollout_outputs, rollout_shards, shard
 from zbench.engine.rollout import size_buckets
 from zbench.engine.vllm_rollout import (
     check_versions,
+    engine_arguments,
     fitted_kv_cache_bytes,
     kv_bytes_per_token,
     parallel_args,
@@ -135,6 +136,20 @@ def test_tensor_parallel_groups_share_their_prompts() -> None:
     plain = rollout_shards(batch, world=4, tp=1)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(plain, shard(batch, 4), strict=True))
     assert torch.equal(rollout_outputs(plain, tp=1)["input_ids"], gather(shard(batch, 4))["input_ids"])
+
+
+def test_engine_arguments_a_variant_can_replace() -> None:
+    common = {"seed": 7, "gpu_memory_utilization": 0.3, "kv_cache_bytes": 1 << 30, "enforce_eager": False,
+              "max_model_len": 768}
+    base = engine_arguments("m", tensor_parallel_size=1, **common)
+    assert base["enable_prefix_caching"] is True and base["enable_sleep_mode"] is True
+    assert base["kv_cache_memory_bytes"] == 1 << 30 and base["tensor_parallel_size"] == 1
+    assert base["logprobs_mode"] == "processed_logprobs"
+    variant = engine_arguments("m", tensor_parallel_size=2, extra={"enable_prefix_caching": False, "block_size": 64},
+                               **common)
+    assert variant["enable_prefix_caching"] is False and variant["block_size"] == 64  # replaced, and added
+    assert variant["distributed_executor_backend"] == "external_launcher"
+    assert variant == {**base, **parallel_args(2), "enable_prefix_caching": False, "block_size": 64}
 
 
 def test_tensor_parallel_engine_arguments_and_config() -> None:

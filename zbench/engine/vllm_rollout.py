@@ -114,12 +114,10 @@ class VLLMRollout:
         self.tied_embeddings = tied_embeddings
         self.log_probs = log_probs
         self.version = installed_vllm()
-        self.llm = LLM(model=model_path, runner="generate", dtype="bfloat16", seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
-                       enforce_eager=enforce_eager, enable_sleep_mode=True,
-                       max_model_len=max_model_len, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
-                       **parallel_args(tensor_parallel_size), **(engine_args or {}))
+        self.llm = LLM(**engine_arguments(model_path, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                                          kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
+                                          max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                                          extra=engine_args))
         self.asleep = False
         self.awake_used_gb = 0.0
         self.seconds: dict[str, float] = {}  # of the last rollout: inside the engine's generate, and its sleep
@@ -204,6 +202,21 @@ class VLLMRollout:
             self._wake_kv_cache()
         self.llm.reset_prefix_cache()
         return pushed
+
+
+def engine_arguments(model_path: str, *, seed: int, gpu_memory_utilization: float, kv_cache_bytes: int | None,
+                     enforce_eager: bool, max_model_len: int, tensor_parallel_size: int,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `LLM(...)` arguments for a colocated engine; `extra` (a benchmark's variant) adds to them or replaces
+    any of them, e.g. `{"enable_prefix_caching": false}`."""
+    args: dict[str, Any] = {
+        "model": model_path, "runner": "generate", "dtype": "bfloat16", "seed": seed,
+        "gpu_memory_utilization": gpu_memory_utilization, "kv_cache_memory_bytes": kv_cache_bytes,
+        "enforce_eager": enforce_eager, "enable_sleep_mode": True, "max_model_len": max_model_len,
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",  # log-probs of the distribution actually sampled
+        **parallel_args(tensor_parallel_size)}
+    return {**args, **(extra or {})}
 
 
 def parallel_args(tensor_parallel_size: int) -> dict[str, Any]:
