@@ -4,7 +4,11 @@ the GPU's kernel time over it (torch.profiler), and the host's hottest Python fu
 One engine is built as a case builds it (`zbench.engine.vllm_rollout.build`), with further vLLM engine arguments
 on top (`--variant`, a JSON object `{"name": ..., "engine": {...}}`; one variant per process, as vLLM keeps
 process-wide state; `"in_process": false` runs vLLM's engine core in a process of its own, as vLLM does by default,
-where zbench keeps it in the trainer's process for the weight push). GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
+where zbench keeps it in the trainer's process for the weight push). Two more variant keys make the process more like
+a trainer's rank: `"nice": N` runs it at that niceness (Ray starts its workers at 15 unless `RAY_worker_niceness`
+says otherwise), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's weights
+into it before the next, as the trainer's weight push does (the push wakes it). GSM8K prompts are repeated `--n`
+times, as GRPO samples them. Measured:
 
 - `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends,
   from an empty prefix cache, as after the trainer's weight push) and with one unseeded request list (vLLM then
@@ -104,6 +108,16 @@ def engine_and_batch(args: argparse.Namespace,
     return cfg, rollout, ids, mask, eos_ids
 
 
+def checkpoint_weights(rollout: Any, model: str) -> list[tuple[str, torch.Tensor]]:
+    """The model's own weights on this GPU under their Hugging Face names, as the trainer's actor pushes them."""
+    from transformers import AutoModelForCausalLM
+
+    from zbench.models import resolve_model
+
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(model)), dtype=torch.bfloat16)
+    return [(name, t.detach().cuda()) for name, t in hf.named_parameters()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -123,8 +137,12 @@ def main() -> int:
 
     variant = json.loads(args.variant)
     name = variant["name"]
+    if "nice" in variant:
+        os.setpriority(os.PRIO_PROCESS, 0, int(variant["nice"]))
     start = time.perf_counter()
     cfg, rollout, ids, mask, eos_ids = engine_and_batch(args, variant)
+    weights = checkpoint_weights(rollout, args.model) if variant.get("cycle") else None
+    _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=weights is not None)
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2),
           device=torch.cuda.get_device_name())
     if args.barrier:
@@ -134,17 +152,26 @@ def main() -> int:
     unseeded = SamplingParams(n=1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=0,
                               max_tokens=args.new_tokens, stop_token_ids=eos_ids, detokenize=False)
 
+    engine_s: list[float] = []  # of the seeded rollouts being timed
+
     def seeded(seed: int) -> int:
-        rollout.llm.reset_prefix_cache()  # as the trainer's rollouts start: the weight push before each empties it
-        out = rollout.generate(ids, mask, seed, sleep=False)
+        if weights is None:
+            rollout.llm.reset_prefix_cache()  # as the trainer's rollouts start: the weight push before each empties it
+        else:  # asleep since the last rollout: the push wakes the engine and empties its prefix cache
+            rollout.load_weights(iter(weights))
+        out = rollout.generate(ids, mask, seed, sleep=weights is not None)
+        engine_s.append(rollout.seconds["engine"])  # inside vLLM's generate only, as perf/rollout_engine_s
         return int(out["response_mask"].sum())
 
     def one_call(seed: int) -> int:
+        if rollout.asleep:
+            rollout.wake()
         outs = rollout.llm.generate(prompts, unseeded, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     for label, fn in (("per_request_seeds", seeded), ("unseeded", one_call)):
         times, tokens = [], []
+        engine_s.clear()
         for rep in range(args.repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -155,7 +182,9 @@ def main() -> int:
         _emit(variant=name, measure="generate", sampling=label, sequences=len(ids), median_s=round(best, 3),
               all_s=[round(t, 3) for t in times[1:]], cold_s=round(times[0], 3),
               generated_tokens_per_s=round(statistics.mean(tokens[1:]) / best),
-              ms_per_decode_step=round(1000 * best / args.new_tokens, 2))
+              ms_per_decode_step=round(1000 * best / args.new_tokens, 2),
+              **({"engine_median_s": round(statistics.median(engine_s[1:]), 3),
+                  "engine_all_s": [round(t, 3) for t in engine_s[1:]]} if engine_s else {}))
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
