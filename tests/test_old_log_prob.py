@@ -5,6 +5,7 @@ output (real DeepSpeed on CPU, the embedded tiny model); elsewhere the pass runs
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -109,6 +110,8 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     result = json.loads((case / "result.json").read_text())
     assert result["old_log_prob_pass"] is False
     assert result["fused_head"] is True and result["compiled_layers"] == 0  # what took effect (CPU: eager layers)
+    # Ray's workers' own niceness: 15 unless Ray's (case-sensitive) setting says otherwise
+    assert result["worker_niceness"] == int(os.environ.get("RAY_worker_niceness", 15))  # noqa: SIM112
     for rec in records(case):
         assert "timing_s/old_log_prob" not in rec
         assert rec["actor/ppo_kl"] == 0 and rec["actor/pg_clipfrac"] == 0

@@ -609,6 +609,7 @@ class Trainer:
                 "fused_head": self.info.get("fused_head"), "head_loss_in_forward": self.info.get("head_loss_in_forward"),
                 "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
+                "worker_niceness": self.info.get("niceness"),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),
             }

@@ -520,6 +520,8 @@ class PolicyWorker(_Worker):
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "cpu_threads": torch.get_num_threads(),
+                # Ray starts its workers at niceness 15 (RAY_worker_niceness): the host loop of a rollout runs at it
+                "niceness": os.getpriority(os.PRIO_PROCESS, 0),
                 "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
                 "compiled_layers": self.compiled_layers,
                 # the head computes log-probs itself only where it is a plain Linear (zbench.engine.lm_head)
