@@ -108,7 +108,7 @@ def engine_and_batch(args: argparse.Namespace,
     return cfg, rollout, ids, mask, eos_ids
 
 
-def checkpoint_weights(rollout: Any, model: str) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model: str) -> list[tuple[str, torch.Tensor]]:
     """The model's own weights on this GPU under their Hugging Face names, as the trainer's actor pushes them."""
     from transformers import AutoModelForCausalLM
 
@@ -141,7 +141,7 @@ def main() -> int:
         os.setpriority(os.PRIO_PROCESS, 0, int(variant["nice"]))
     start = time.perf_counter()
     cfg, rollout, ids, mask, eos_ids = engine_and_batch(args, variant)
-    weights = checkpoint_weights(rollout, args.model) if variant.get("cycle") else None
+    weights = checkpoint_weights(args.model) if variant.get("cycle") else None
     _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=weights is not None)
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2),
           device=torch.cuda.get_device_name())
