@@ -1,12 +1,17 @@
 """Phase busy time from a profile: the interval union that turns device activity into a phase's busy share, and a
-real `torch.profiler` run labelled by phase."""
+real `torch.profiler` run labelled by phase; the python profiler's per-phase functions, alone and in a real case."""
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
+import pytest
 import torch
+from test_engine_case import make_case, records, train
 
+from zbench.config import ConfigError, from_dict
 from zbench.engine.profiling import StepProfiler, busy_within, phase_profiles, render
 
 
@@ -100,10 +105,6 @@ def test_steady_steps_leave_out_warm_up_and_the_profiled_step() -> None:
 
 
 def test_profile_step_past_the_last_step_is_refused() -> None:
-    import pytest
-
-    from zbench.config import ConfigError, from_dict
-
     assert from_dict({"steps": 4, "trainer": {"profile_step": 4}}).trainer.profile_step == 4
     with pytest.raises(ConfigError, match=r"trainer.profile_step: 5 is past the last step \(4\); choose 1..4, or 0"):
         from_dict({"steps": 4, "trainer": {"profile_step": 5}})
@@ -125,3 +126,60 @@ def test_update_benchmark_profiles_its_variant(tmp_path: Path) -> None:
     assert line["variant"] == "mb4" and line["update_s_median"] > 0
     assert [p["phase"] for p in line["profile"]] == ["update_actor"]
     assert (tmp_path / "mb4.txt").is_file() and (tmp_path / "mb4.json.gz").is_file()
+
+
+def _spin(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_python_profiler_lists_each_phases_functions(tmp_path: Path) -> None:
+    prof = StepProfiler(on_cuda=False)
+    with pytest.raises(ValueError, match="profiler 'perf': choose one of torch, python"):
+        prof.start("perf")
+    assert not prof.active
+    prof.start("python")
+    assert prof.active
+    with prof.phase("gen"):
+        _spin(200_000)
+    with prof.phase("update_actor"):
+        time.sleep(0.01)
+    with prof.phase("gen"):  # a phase that runs twice adds up
+        _spin(200_000)
+    phases = prof.stop(tmp_path, "step2-actor-rank0", "title line")
+    assert not prof.active and prof.stop(tmp_path, "again", "") == []
+    assert [p.phase for p in phases] == ["gen", "update_actor"]
+    gen, update = phases
+    spin = next(f for f in gen.top if f.function.startswith("_spin (tests/test_profiling.py:"))
+    assert spin.calls == 2 and spin.cumulative_s > 0  # its time is its generator's and sum's
+    assert gen.top[0].own_s > 0 and [f.own_s for f in gen.top] == sorted((f.own_s for f in gen.top), reverse=True)
+    assert any(f.function.startswith("<built-in method time.sleep>") for f in update.top)
+    assert gen.line().startswith(f"wall {gen.wall_ms:.1f} ms under cProfile, most own time: ")
+    text = (tmp_path / "step2-actor-rank0.txt").read_text()
+    assert text.startswith("title line") and "phase gen: wall" in text and "phase update_actor: wall" in text
+    assert "_spin (tests/test_profiling.py:" in text
+    assert not (tmp_path / "step2-actor-rank0.json.gz").exists()  # no trace: cProfile keeps none
+
+
+def test_python_profiler_needs_a_step_to_profile() -> None:
+    with pytest.raises(ConfigError, match=r"trainer.profiler: 'python' profiles only the step trainer.profile_step "
+                                          r"names: set it \(1..steps\), or leave profiler at 'torch'"):
+        from_dict({"steps": 4, "trainer": {"profiler": "python"}})
+    with pytest.raises(ConfigError, match=r"trainer.profiler: 'cprofile' is not one of 'torch', 'python'"):
+        from_dict({"steps": 4, "trainer": {"profile_step": 1, "profiler": "cprofile"}})
+
+
+def test_case_profiles_its_host_per_phase(tmp_path: Path) -> None:
+    """A real GRPO case whose second step runs under the python profiler: each worker's file lists the phases it ran
+    with their functions (the rollout's `generate` among the actor's), the log says so, and only that step is
+    marked profiled."""
+    case = make_case(tmp_path, "host", steps=2, algorithm="grpo", rollout__n=2, trainer__profile_step=2,
+                     trainer__profiler="python")
+    train(case)
+    for rank in (0, 1):
+        text = (case / "profile" / f"step2-actor-rank{rank}.txt").read_text()
+        assert "phase gen: wall" in text and "phase update_actor: wall" in text, text[:2000]
+        assert re.search(r"^ +[0-9.]+ +[0-9.]+ +[0-9]+ +\S", text, re.M)  # a function row: own, cumulative, calls
+    log = (case / "train.log").read_text()
+    assert re.search(r"\[profile\] step 2 PolicyWorker rank 1 gen: wall [0-9.]+ ms under cProfile, most own time: "
+                     r"\S", log), log[-3000:]
+    assert [r["step"] for r in records(case) if r.get("perf/profiled")] == [2]

@@ -342,6 +342,9 @@ class TrainerConfig:
     torch_threads: int = 1  # intra-op threads per CPU worker (a GPU rank takes its host's share of the cores)
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
+    # what profile_step runs: torch (per phase, GPU-busy time and the top kernels, and a trace) or python (per phase,
+    # the Python functions with the most own time under cProfile: for phases the host holds up, like a vLLM rollout)
+    profiler: str = "torch"
     # cut micro-batches from a mini-batch's rows sorted by length, so that each is padded less: always for the
     # gradient-free passes, for an update only where its loss is the mini-batch's token mean (loss_agg token-mean),
     # which no grouping changes
@@ -386,6 +389,10 @@ class TrainerConfig:
         _positive("torch_threads", self.torch_threads)
         _positive("log_samples", self.log_samples, allow_zero=True)
         _positive("profile_step", self.profile_step, allow_zero=True)
+        _choice("profiler", self.profiler, PROFILERS)
+        if self.profiler != "torch" and not self.profile_step:
+            raise ConfigError("profiler", f"{self.profiler!r} profiles only the step trainer.profile_step names: set "
+                                          "it (1..steps), or leave profiler at 'torch'")
         _choice("critic_update", self.critic_update, CRITIC_UPDATE_MODES)
         if not 0 <= self.critic_sm_percent <= 100:
             raise ConfigError("critic_sm_percent", f"must be a share of the SMs in 1..100, or 0 for no MPS; got "
@@ -406,6 +413,7 @@ class TrainerConfig:
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 CRITIC_UPDATE_MODES = ("serial", "concurrent", "overlap")
+PROFILERS = ("torch", "python")  # trainer.profiler
 
 
 ALGORITHMS = ("ppo", "grpo")
@@ -612,7 +620,8 @@ TRIAL_GEOMETRY_KEYS = (
     "actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu", "actor.forward_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing", "model.checkpoint_layers",
 )  # fmt: skip
-TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.save_freq", "trainer.logger", *TRIAL_GEOMETRY_KEYS)
+TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.profiler", "trainer.save_freq", "trainer.logger",
+              *TRIAL_GEOMETRY_KEYS)
 
 
 def trial_differences(a: RunConfig, b: RunConfig) -> list[str]:

@@ -11,6 +11,12 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
 the CPU (Python, launches, optimizer steps on the host) or on synchronisation. Backward kernels are launched from
 autograd's own thread, so busy time is taken from the device timeline, not from the phase's call tree.
+
+Where the host holds a phase up (a vLLM rollout at a small batch), `trainer.profiler=python` says where its time
+goes instead: each phase runs under `cProfile`, and `step<K>-<role>-rank<R>.txt` lists, per phase, the Python
+functions of the worker's own thread with the most own time. The two profilers do not run together: cProfile's
+overhead would change the busy shares the other measures.
+
 Profiling slows the step it covers, writing the files included (it counts against `--step-timeout`); the step
 is marked `perf/profiled`, and step means and peaks leave it out.
 """
@@ -18,8 +24,11 @@ is marked `perf/profiled`, and step means and peaks leave it out.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gzip
+import pstats
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +36,10 @@ from typing import Any
 
 import torch
 
+from zbench.config import PROFILERS
+
 PHASE_PREFIX = "zbench/"
+HOST_TOP = 25  # functions listed per phase by the python profiler
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,53 @@ class PhaseProfile:
     @property
     def busy_share(self) -> float:
         return self.gpu_busy_ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"wall {self.wall_ms:.1f} ms, GPU busy {self.gpu_busy_ms:.1f} ms ({self.busy_share:.0%}), "
+                f"{self.device_ops} device ops")
+
+
+@dataclass(frozen=True)
+class HostFunction:
+    """One Python function's share of a phase under cProfile."""
+
+    function: str  # name (file:line)
+    calls: int
+    own_s: float  # in the function itself
+    cumulative_s: float  # with what it called
+
+
+@dataclass(frozen=True)
+class HostPhase:
+    """What one labelled phase's Python did on one rank (`trainer.profiler=python`)."""
+
+    phase: str
+    wall_ms: float
+    top: tuple[HostFunction, ...]  # by own time, most first
+
+    def line(self) -> str:
+        hottest = ", ".join(f"{f.function} {f.own_s:.3f} s" for f in self.top[:3])
+        return f"wall {self.wall_ms:.1f} ms under cProfile, most own time: {hottest or 'none recorded'}"
+
+
+def host_functions(stats: pstats.Stats, top: int) -> tuple[HostFunction, ...]:
+    """The `top` functions by own time in `stats`, named `name (file:line)` with the file's last two parts."""
+    rows = []
+    for (file, line, name), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = "/".join(Path(file).parts[-2:]) if file not in ("~", "") else "~"
+        rows.append(HostFunction(f"{name} ({where}:{line})", calls, round(own, 4), round(cum, 4)))
+    rows.sort(key=lambda f: -f.own_s)
+    return tuple(rows[:top])
+
+
+def render_host(phases: list[HostPhase], title: str) -> str:
+    """The python profiler's text report: per phase, its wall time, then its functions by own time."""
+    lines = [title]
+    for p in phases:
+        lines += ["", f"phase {p.phase}: wall {p.wall_ms:.1f} ms under cProfile; the functions with the most own "
+                      f"time:", f"{'own s':>10}{'cumulative s':>14}{'calls':>10}  function"]
+        lines += [f"{f.own_s:>10.4f}{f.cumulative_s:>14.4f}{f.calls:>10}  {f.function}" for f in p.top]
+    return "\n".join([*lines, ""])
 
 
 def busy_within(intervals: list[tuple[int, int]], start: int, end: int) -> int:
@@ -84,17 +143,24 @@ def render(phases: list[PhaseProfile], table: str, title: str) -> str:
 
 
 class StepProfiler:
-    """Starts and stops `torch.profiler` around one step of one worker, and writes what it saw."""
+    """Starts and stops a profiler around one step of one worker, and writes what it saw: `torch.profiler`, or
+    `cProfile` per phase (`kind` "python")."""
 
     def __init__(self, on_cuda: bool):
         self.on_cuda = on_cuda
         self._prof: Any = None
+        self._host: dict[str, tuple[float, pstats.Stats | None]] | None = None  # phase: (wall s, its functions)
 
     @property
     def active(self) -> bool:
-        return self._prof is not None
+        return self._prof is not None or self._host is not None
 
-    def start(self) -> None:
+    def start(self, kind: str = "torch") -> None:
+        if kind not in PROFILERS:
+            raise ValueError(f"profiler {kind!r}: choose one of {', '.join(PROFILERS)}")
+        if kind == "python":
+            self._host = {}
+            return
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
@@ -102,8 +168,16 @@ class StepProfiler:
         prof.__enter__()
         self._prof = prof  # only once it runs: a failed start leaves nothing to stop
 
-    def stop(self, out_dir: Path, stem: str, title: str) -> list[PhaseProfile]:
-        """Stop profiling; write `<stem>.txt` and `<stem>.json.gz` into `out_dir`; return the phase lines."""
+    def stop(self, out_dir: Path, stem: str, title: str) -> list[PhaseProfile] | list[HostPhase]:
+        """Stop profiling; write `<stem>.txt` (and, from torch.profiler, `<stem>.json.gz`) into `out_dir`; return
+        the phases, longest first."""
+        host, self._host = self._host, None
+        if host is not None:
+            phases = sorted((HostPhase(name, wall * 1e3, host_functions(stats, HOST_TOP) if stats else ())
+                             for name, (wall, stats) in host.items()), key=lambda p: -p.wall_ms)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{stem}.txt").write_text(render_host(phases, title))
+            return phases
         prof, self._prof = self._prof, None
         if prof is None:
             return []
@@ -124,7 +198,12 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Label what runs inside as phase `name` while profiling (nothing otherwise)."""
+        """Label what runs inside as phase `name` while profiling (nothing otherwise); under the python profiler,
+        run it under cProfile (a phase that runs twice in a step adds up)."""
+        if self._host is not None:
+            with self._host_phase(name):
+                yield
+            return
         if self._prof is None:
             yield
             return
@@ -132,3 +211,26 @@ class StepProfiler:
 
         with record_function(PHASE_PREFIX + name):
             yield
+
+    @contextlib.contextmanager
+    def _host_phase(self, name: str) -> Iterator[None]:
+        assert self._host is not None
+        prof = cProfile.Profile()
+        try:
+            prof.enable()
+        except ValueError:  # another profiling tool holds this thread (one at a time since Python 3.12)
+            prof = None
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            wall = time.perf_counter() - start
+            stats = None
+            if prof is not None:
+                prof.disable()
+                stats = pstats.Stats(prof)
+            before_wall, before = self._host.get(name, (0.0, None))
+            if before is not None and stats is not None:
+                before.add(stats)
+                stats = before
+            self._host[name] = (before_wall + wall, stats if stats is not None else before)

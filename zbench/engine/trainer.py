@@ -450,9 +450,7 @@ class Trainer:
         for g in groups:
             for rank, phases in enumerate(g.call("profile_stop", step)):
                 for p in phases:
-                    print(f"[profile] step {step} {g.name} rank {rank} {p['phase']}: wall {p['wall_ms']:.1f} ms, "
-                          f"GPU busy {p['gpu_busy_ms']:.1f} ms ({p['busy_share']:.0%}), {p['device_ops']} device ops",
-                          flush=True)
+                    print(f"[profile] step {step} {g.name} rank {rank} {p['phase']}: {p['line']}", flush=True)
 
     def _batch_metrics(self, batch: dict, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor,
                        ret: torch.Tensor) -> dict[str, float]:

@@ -8,7 +8,6 @@ picked by its rank-0 worker, so the actor and critic groups, and concurrent case
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -231,7 +230,7 @@ class _Worker:
         """Start profiling this worker (the step named by `trainer.profile_step`); a profiler that cannot start
         leaves the step unprofiled, not failed."""
         try:
-            self.profiler.start()
+            self.profiler.start(self.cfg.trainer.profiler)
         except Exception as err:
             print(f"[profile] {self.role} rank {self.rank}: profiler did not start: {type(err).__name__}: {err}",
                   flush=True)
@@ -245,7 +244,7 @@ class _Worker:
         except Exception as err:  # a profile that cannot be written must not fail the case it measures
             print(f"[profile] {stem}: no profile written: {type(err).__name__}: {err}", flush=True)
             return []
-        return [{**dataclasses.asdict(p), "busy_share": p.busy_share} for p in phases]
+        return [{"phase": p.phase, "wall_ms": p.wall_ms, "line": p.line()} for p in phases]
 
     def sample_device_memory(self, phase: str, extra_gb: float = 0.0) -> None:
         """Note the memory in use on this GPU by every process (what nvidia-smi shows) at the end of `phase`
