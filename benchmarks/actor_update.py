@@ -109,7 +109,7 @@ def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_pa
            "seqs": args.seqs, "model": args.model,
            "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
     if args.profile_dir:
-        worker.profile_start()
+        worker.profiler.start("torch")  # the GPU-busy share per phase, whatever trainer.profiler the variant sets
         worker.update_actor(batch)
         phases = worker.profiler.stop(Path(args.profile_dir), name, f"actor update, {name}, {args.model}")
         out["profile"] = [{"phase": p.phase, "wall_ms": round(p.wall_ms, 1), "busy_share": round(p.busy_share, 3)}

@@ -5,9 +5,10 @@ One engine is built as a case builds it (`zbench.engine.vllm_rollout.build`), wi
 on top (`--variant`, a JSON object `{"name": ..., "engine": {...}}`; one variant per process, as vLLM keeps
 process-wide state; `"in_process": false` runs vLLM's engine core in a process of its own, as vLLM does by default,
 where zbench keeps it in the trainer's process for the weight push). Two more variant keys make the process more like
-a trainer's rank: `"nice": N` runs it at that niceness (Ray starts its workers at 15 unless `RAY_worker_niceness`
-says otherwise), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's weights
-into it before the next, as the trainer's weight push does (the push wakes it). GSM8K prompts are repeated `--n`
+a trainer's rank: `"nice": N` runs it at that niceness (Ray raises its workers' niceness by 15, its
+`RAY_worker_niceness`), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's
+weights into it before the next, as the trainer does (the push wakes it; it is not timed, as the trainer times it
+apart; a rollout's time then includes the sleep, as the trainer's gen phase does). GSM8K prompts are repeated `--n`
 times, as GRPO samples them. Measured:
 
 - `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends,
@@ -137,14 +138,18 @@ def main() -> int:
 
     variant = json.loads(args.variant)
     name = variant["name"]
+    cycle = bool(variant.get("cycle"))
+    if cycle and not variant.get("in_process", True):
+        raise SystemExit('--variant: "cycle" pushes weights into the engine, which needs it in this process: drop '
+                         '"in_process": false')
     if "nice" in variant:
         os.setpriority(os.PRIO_PROCESS, 0, int(variant["nice"]))
     start = time.perf_counter()
     cfg, rollout, ids, mask, eos_ids = engine_and_batch(args, variant)
-    weights = checkpoint_weights(args.model) if variant.get("cycle") else None
-    _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=weights is not None)
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2),
           device=torch.cuda.get_device_name())
+    weights = checkpoint_weights(args.model) if cycle else None
+    _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=cycle)
     if args.barrier:
         _emit(variant=name, measure="barrier_wait_s", value=round(_barrier(args.barrier, args.parties), 2))
 
@@ -152,27 +157,36 @@ def main() -> int:
     unseeded = SamplingParams(n=1, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=0,
                               max_tokens=args.new_tokens, stop_token_ids=eos_ids, detokenize=False)
 
+    def push() -> None:
+        """Untimed, as the trainer times it apart (update_weights): the engine sleeps since its last rollout (level
+        2: weights and KV cache dropped); the push wakes it, refills its weights and empties its prefix cache."""
+        if weights is not None:
+            rollout.load_weights(iter(weights))
+
+    def ready() -> None:
+        """Untimed: the state a trainer's rollout starts from, an empty prefix cache (after the weight push)."""
+        if weights is None:
+            rollout.llm.reset_prefix_cache()
+        push()
+
     engine_s: list[float] = []  # of the seeded rollouts being timed
 
     def seeded(seed: int) -> int:
-        if weights is None:
-            rollout.llm.reset_prefix_cache()  # as the trainer's rollouts start: the weight push before each empties it
-        else:  # asleep since the last rollout: the push wakes the engine and empties its prefix cache
-            rollout.load_weights(iter(weights))
-        out = rollout.generate(ids, mask, seed, sleep=weights is not None)
+        out = rollout.generate(ids, mask, seed, sleep=cycle)  # the trainer's gen phase: generate (and sleep)
         engine_s.append(rollout.seconds["engine"])  # inside vLLM's generate only, as perf/rollout_engine_s
         return int(out["response_mask"].sum())
 
     def one_call(seed: int) -> int:
-        if rollout.asleep:
-            rollout.wake()
         outs = rollout.llm.generate(prompts, unseeded, use_tqdm=False)
+        if cycle:
+            rollout.sleep()
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    for label, fn in (("per_request_seeds", seeded), ("unseeded", one_call)):
+    for label, before, fn in (("per_request_seeds", ready, seeded), ("unseeded", push, one_call)):
         times, tokens = [], []
         engine_s.clear()
         for rep in range(args.repeats + 1):
+            before()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             tokens.append(fn(1000 + rep))
@@ -186,6 +200,7 @@ def main() -> int:
               **({"engine_median_s": round(statistics.median(engine_s[1:]), 3),
                   "engine_all_s": [round(t, 3) for t in engine_s[1:]]} if engine_s else {}))
 
+    ready()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -198,6 +213,7 @@ def main() -> int:
           gpu_busy=round(gpu_s / wall, 3) if seen else None,
           gpu_ms_per_decode_step=round(1000 * gpu_s / args.new_tokens, 2) if seen else None, top_kernels=kernels)
 
+    ready()
     host = cProfile.Profile()
     t0 = time.perf_counter()
     host.enable()

@@ -139,16 +139,19 @@ def test_python_profiler_lists_each_phases_functions(tmp_path: Path) -> None:
     assert not prof.active
     prof.start("python")
     assert prof.active
-    with prof.phase("gen"):
-        _spin(200_000)
+    outside = 0.0
+    for _ in range(2):  # a phase that runs twice adds up
+        start = time.perf_counter()
+        with prof.phase("gen"):
+            _spin(200_000)
+        outside += time.perf_counter() - start
     with prof.phase("update_actor"):
         time.sleep(0.01)
-    with prof.phase("gen"):  # a phase that runs twice adds up
-        _spin(200_000)
     phases = prof.stop(tmp_path, "step2-actor-rank0", "title line")
     assert not prof.active and prof.stop(tmp_path, "again", "") == []
     assert [p.phase for p in phases] == ["gen", "update_actor"]
     gen, update = phases
+    assert 0.8 * outside < gen.wall_ms / 1e3 <= outside
     spin = next(f for f in gen.top if f.function.startswith("_spin (tests/test_profiling.py:"))
     assert spin.calls == 2 and spin.cumulative_s > 0  # its time is its generator's and sum's
     assert gen.top[0].own_s > 0 and [f.own_s for f in gen.top] == sorted((f.own_s for f in gen.top), reverse=True)
@@ -158,6 +161,28 @@ def test_python_profiler_lists_each_phases_functions(tmp_path: Path) -> None:
     assert text.startswith("title line") and "phase gen: wall" in text and "phase update_actor: wall" in text
     assert "_spin (tests/test_profiling.py:" in text
     assert not (tmp_path / "step2-actor-rank0.json.gz").exists()  # no trace: cProfile keeps none
+
+
+def test_python_profiler_times_a_nested_or_failing_phase(tmp_path: Path) -> None:
+    """A phase inside another is timed, not profiled (one cProfile at a time); the outer one keeps its functions.
+    A phase that raises is recorded, and its exception goes on."""
+    prof = StepProfiler(on_cuda=False)
+    prof.start("python")
+    with prof.phase("update_weights"):
+        _spin(100_000)
+        with prof.phase("gen"):
+            time.sleep(0.02)
+        _spin(100_000)
+    with pytest.raises(ZeroDivisionError), prof.phase("values"):
+        _spin(50_000)
+        _ = 1 / 0
+    phases = {p.phase: p for p in prof.stop(tmp_path, "step1-actor-rank0", "title")}
+    outer, inner, failed = phases["update_weights"], phases["gen"], phases["values"]
+    assert outer.wall_ms > inner.wall_ms >= 20
+    assert next(f for f in outer.top if f.function.startswith("_spin (")).calls == 2  # before and after the inner
+    assert inner.top == () and inner.line().endswith("none recorded (inside another phase)")
+    assert any(f.function.startswith("_spin (") for f in failed.top)
+    assert "phase gen: wall" in (tmp_path / "step1-actor-rank0.txt").read_text()
 
 
 def test_python_profiler_needs_a_step_to_profile() -> None:
@@ -170,14 +195,16 @@ def test_python_profiler_needs_a_step_to_profile() -> None:
 
 def test_case_profiles_its_host_per_phase(tmp_path: Path) -> None:
     """A real GRPO case whose second step runs under the python profiler: each worker's file lists the phases it ran
-    with their functions (the rollout's `generate` among the actor's), the log says so, and only that step is
-    marked profiled."""
+    with their functions (the rollout's sampling in its gen phase), the log says so, and only that step is marked
+    profiled."""
     case = make_case(tmp_path, "host", steps=2, algorithm="grpo", rollout__n=2, trainer__profile_step=2,
                      trainer__profiler="python")
     train(case)
     for rank in (0, 1):
         text = (case / "profile" / f"step2-actor-rank{rank}.txt").read_text()
         assert "phase gen: wall" in text and "phase update_actor: wall" in text, text[:2000]
+        gen = text.split("phase gen: wall", 1)[1].split("\nphase ", 1)[0]
+        assert "  <built-in method torch.multinomial>" in gen, gen  # the rollout's sampling, in its phase
         assert re.search(r"^ +[0-9.]+ +[0-9.]+ +[0-9]+ +\S", text, re.M)  # a function row: own, cumulative, calls
     log = (case / "train.log").read_text()
     assert re.search(r"\[profile\] step 2 PolicyWorker rank 1 gen: wall [0-9.]+ ms under cProfile, most own time: "

@@ -237,3 +237,11 @@ def test_log_probs_change_no_token() -> None:
     assert "rollout_log_probs" in with_lp and "rollout_log_probs" not in without
     assert torch.equal(with_lp["responses"], without["responses"])
     assert not torch.equal(without["responses"], other["responses"])
+    # asleep (level 2: its weights dropped), the engine refuses to sample until a push has refilled them
+    rollout.generate(ids, mask, 5)
+    with pytest.raises(RuntimeError, match=r"push weights \(load_weights\), which wakes it, before generating"):
+        rollout.generate(ids, mask, 5)
+    from transformers import AutoModelForCausalLM
+
+    rollout.load_weights(iter(AutoModelForCausalLM.from_pretrained(path).named_parameters()))
+    assert torch.equal(rollout.generate(ids, mask, 5, sleep=False)["responses"], without["responses"])

@@ -14,8 +14,9 @@ autograd's own thread, so busy time is taken from the device timeline, not from 
 
 Where the host holds a phase up (a vLLM rollout at a small batch), `trainer.profiler=python` says where its time
 goes instead: each phase runs under `cProfile`, and `step<K>-<role>-rank<R>.txt` lists, per phase, the Python
-functions of the worker's own thread with the most own time. The two profilers do not run together: cProfile's
-overhead would change the busy shares the other measures.
+functions with the most own time. Before Python 3.12 cProfile sees the worker's own thread; from 3.12 on it sees
+every thread of the process (through `sys.monitoring`), so a thread that competes for the interpreter shows there
+too. The two profilers do not run together: cProfile's overhead would change the busy shares the other measures.
 
 Profiling slows the step it covers, writing the files included (it counts against `--step-timeout`); the step
 is marked `perf/profiled`, and step means and peaks leave it out.
@@ -77,10 +78,12 @@ class HostPhase:
     phase: str
     wall_ms: float
     top: tuple[HostFunction, ...]  # by own time, most first
+    why_none: str = ""  # why `top` is empty, where it is
 
     def line(self) -> str:
         hottest = ", ".join(f"{f.function} {f.own_s:.3f} s" for f in self.top[:3])
-        return f"wall {self.wall_ms:.1f} ms under cProfile, most own time: {hottest or 'none recorded'}"
+        return (f"wall {self.wall_ms:.1f} ms under cProfile, most own time: "
+                f"{hottest or 'none recorded (' + (self.why_none or 'no Python ran') + ')'}")
 
 
 def host_functions(stats: pstats.Stats, top: int) -> tuple[HostFunction, ...]:
@@ -100,6 +103,8 @@ def render_host(phases: list[HostPhase], title: str) -> str:
         lines += ["", f"phase {p.phase}: wall {p.wall_ms:.1f} ms under cProfile; the functions with the most own "
                       f"time:", f"{'own s':>10}{'cumulative s':>14}{'calls':>10}  function"]
         lines += [f"{f.own_s:>10.4f}{f.cumulative_s:>14.4f}{f.calls:>10}  {f.function}" for f in p.top]
+        if not p.top:
+            lines.append(f"  none recorded ({p.why_none or 'no Python ran'})")
     return "\n".join([*lines, ""])
 
 
@@ -142,6 +147,13 @@ def render(phases: list[PhaseProfile], table: str, title: str) -> str:
     return "\n".join([*lines, "", table, ""])
 
 
+@dataclass
+class _HostRecord:
+    wall_s: float
+    stats: pstats.Stats | None
+    why: str  # why no functions were recorded, if none were
+
+
 class StepProfiler:
     """Starts and stops a profiler around one step of one worker, and writes what it saw: `torch.profiler`, or
     `cProfile` per phase (`kind` "python")."""
@@ -149,7 +161,8 @@ class StepProfiler:
     def __init__(self, on_cuda: bool):
         self.on_cuda = on_cuda
         self._prof: Any = None
-        self._host: dict[str, tuple[float, pstats.Stats | None]] | None = None  # phase: (wall s, its functions)
+        self._host: dict[str, _HostRecord] | None = None  # per phase, under the python profiler
+        self._host_depth = 0  # host phases running (one inside another is timed, not profiled)
 
     @property
     def active(self) -> bool:
@@ -173,8 +186,8 @@ class StepProfiler:
         the phases, longest first."""
         host, self._host = self._host, None
         if host is not None:
-            phases = sorted((HostPhase(name, wall * 1e3, host_functions(stats, HOST_TOP) if stats else ())
-                             for name, (wall, stats) in host.items()), key=lambda p: -p.wall_ms)
+            phases = sorted((HostPhase(name, r.wall_s * 1e3, host_functions(r.stats, HOST_TOP) if r.stats else (),
+                                       r.why) for name, r in host.items()), key=lambda p: -p.wall_ms)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{stem}.txt").write_text(render_host(phases, title))
             return phases
@@ -214,23 +227,41 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def _host_phase(self, name: str) -> Iterator[None]:
-        assert self._host is not None
-        prof = cProfile.Profile()
-        try:
-            prof.enable()
-        except ValueError:  # another profiling tool holds this thread (one at a time since Python 3.12)
-            prof = None
+        """Run a phase under its own cProfile; a phase inside another one (or beside another profiling tool) is
+        timed but not profiled, as one profiler at a time can hold the interpreter."""
+        prof: cProfile.Profile | None = None
+        why = ""
+        if self._host_depth:
+            why = "inside another phase"
+        else:
+            prof = cProfile.Profile()
+            try:
+                prof.enable()
+            except ValueError:  # Python 3.12+: another profiling tool is active
+                prof, why = None, "another profiler was active"
+        self._host_depth += 1
         start = time.perf_counter()
         try:
             yield
         finally:
             wall = time.perf_counter() - start
-            stats = None
-            if prof is not None:
-                prof.disable()
-                stats = pstats.Stats(prof)
-            before_wall, before = self._host.get(name, (0.0, None))
-            if before is not None and stats is not None:
-                before.add(stats)
-                stats = before
-            self._host[name] = (before_wall + wall, stats if stats is not None else before)
+            self._host_depth -= 1
+            # bookkeeping that fails must not fail the phase it measured
+            with contextlib.suppress(Exception):
+                stats = None
+                if prof is not None:
+                    prof.disable()
+                    stats = pstats.Stats(prof)
+                self._add_host(name, wall, stats, why)
+
+    def _add_host(self, name: str, wall: float, stats: pstats.Stats | None, why: str) -> None:
+        if self._host is None:  # stopped meanwhile
+            return
+        before = self._host.get(name)
+        if before is not None:
+            wall += before.wall_s
+            if before.stats is not None and stats is not None:
+                before.stats.add(stats)
+            stats = before.stats if before.stats is not None else stats
+            why = before.why or why
+        self._host[name] = _HostRecord(wall, stats, why if stats is None else "")

@@ -136,8 +136,9 @@ class VLLMRollout:
 
         from zbench.engine.rollout import response_mask_from
 
-        if self.asleep:
-            self.wake()
+        if self.asleep:  # level 2 dropped the weights: waking alone would sample from whatever the memory holds
+            raise RuntimeError("the vLLM engine sleeps with its weights dropped: push weights (load_weights), which "
+                               "wakes it, before generating")
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in strip_left_padding(input_ids, attention_mask)]
         params = [SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, top_k=0,
                                  max_tokens=self.max_new_tokens, seed=seed * 65_537 + i,
@@ -171,10 +172,6 @@ class VLLMRollout:
         if not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
-
-    def wake(self) -> None:
-        self.llm.wake_up(tags=["weights"])
-        self._wake_kv_cache()
 
     def _wake_kv_cache(self) -> None:
         # hand training's cached blocks back to the driver first, or both would be held at once (the peak)

@@ -236,7 +236,8 @@ class _Worker:
                   flush=True)
 
     def profile_stop(self, step: int) -> list[dict[str, Any]]:
-        """Stop profiling; write `<case>/profile/step<K>-<role>-rank<R>.{txt,json.gz}`; return the phase lines."""
+        """Stop profiling; write `<case>/profile/step<K>-<role>-rank<R>.txt` (and, from torch.profiler, its
+        `.json.gz` trace); return the phase lines."""
         stem = f"step{step}-{self.role}-rank{self.rank}"
         title = f"{self.case_dir.name}: step {step}, {self.role} worker, rank {self.rank} of {self.world_size}"
         try:
@@ -519,7 +520,7 @@ class PolicyWorker(_Worker):
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "cpu_threads": torch.get_num_threads(),
-                # Ray starts its workers at niceness 15 (RAY_worker_niceness): the host loop of a rollout runs at it
+                # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
                 "sdpa_cudnn": bool(self.on_cuda and torch.backends.cuda.cudnn_sdp_enabled()), "fused_ops": self.fused,
                 "compiled_layers": self.compiled_layers,
