@@ -135,6 +135,7 @@ def main() -> int:
     from vllm import SamplingParams, TokensPrompt
 
     from zbench.engine import vllm_rollout
+    from zbench.engine.profiling import host_functions
 
     variant = json.loads(args.variant)
     name = variant["name"]
@@ -220,11 +221,10 @@ def main() -> int:
     seeded(8)
     host.disable()
     wall = time.perf_counter() - t0
-    stats = pstats.Stats(host)
-    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]  # (file, line, fn) -> (cc, nc, tt, ct, ...)
+    top = host_functions(pstats.Stats(host), 20)  # as trainer.profiler=python lists a phase's functions
     _emit(variant=name, measure="host", wall_s=round(wall, 3),
-          top_own_time=[{"fn": f"{fn[2]} ({fn[0].rsplit('/', 2)[-2:][-1]}:{fn[1]})", "calls": v[1],
-                         "own_s": round(v[2], 3), "cum_s": round(v[3], 3)} for fn, v in top])
+          top_own_time=[{"fn": f.function, "calls": f.calls, "own_s": round(f.own_s, 3),
+                         "cum_s": round(f.cumulative_s, 3)} for f in top])
     return 0
 
 

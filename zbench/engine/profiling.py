@@ -151,7 +151,7 @@ def render(phases: list[PhaseProfile], table: str, title: str) -> str:
 class _HostRecord:
     wall_s: float
     stats: pstats.Stats | None
-    why: str  # why no functions were recorded, if none were
+    why: str  # why a run of the phase recorded no functions
 
 
 class StepProfiler:
@@ -187,7 +187,8 @@ class StepProfiler:
         host, self._host = self._host, None
         if host is not None:
             phases = sorted((HostPhase(name, r.wall_s * 1e3, host_functions(r.stats, HOST_TOP) if r.stats else (),
-                                       r.why) for name, r in host.items()), key=lambda p: -p.wall_ms)
+                                       "" if r.stats else r.why) for name, r in host.items()),
+                            key=lambda p: -p.wall_ms)
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{stem}.txt").write_text(render_host(phases, title))
             return phases
@@ -257,11 +258,11 @@ class StepProfiler:
     def _add_host(self, name: str, wall: float, stats: pstats.Stats | None, why: str) -> None:
         if self._host is None:  # stopped meanwhile
             return
-        before = self._host.get(name)
-        if before is not None:
-            wall += before.wall_s
-            if before.stats is not None and stats is not None:
-                before.stats.add(stats)
-            stats = before.stats if before.stats is not None else stats
-            why = before.why or why
-        self._host[name] = _HostRecord(wall, stats, why if stats is None else "")
+        record = self._host.setdefault(name, _HostRecord(0.0, None, ""))
+        record.wall_s += wall
+        if stats is None:
+            record.why = record.why or why
+        elif record.stats is None:
+            record.stats = stats
+        else:
+            record.stats.add(stats)
