@@ -48,6 +48,25 @@ def test_profiler_labels_phases_and_writes_its_files(tmp_path: Path) -> None:
     assert not (tmp_path / "step3-actor-rank0.json").exists()
 
 
+@pytest.mark.parametrize("kind", ["torch", "python"])
+def test_profile_leaves_no_garbage_to_the_next_step(tmp_path: Path, kind: str) -> None:
+    """A profile's own garbage is collected when it stops, inside the profiled step, not in a later step's pauses."""
+    import gc
+
+    prof = StepProfiler(on_cuda=False)
+    prof.start(kind)
+    with prof.phase("work"):
+        a = torch.randn(64, 64)
+        for _ in range(500):
+            a = (a @ a).tanh()
+    gc.disable()  # only the profiler's own collection may run until the check
+    try:
+        prof.stop(tmp_path, "step1-actor-rank0", "title")
+        assert gc.collect() == 0  # nothing unreachable left behind
+    finally:
+        gc.enable()
+
+
 class _Event:
     """The four things `phase_profiles` reads from a kineto event."""
 
