@@ -40,6 +40,10 @@ from typing import Any
 
 import torch
 
+# vLLM logs to stdout by default, between this script's JSON lines (the sleep / wake cycle logs at every rollout):
+# its log goes to stderr instead, as in vLLM's own benchmarks (set before vLLM is imported, here or by an importer)
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
 
 def _config(args: argparse.Namespace) -> Any:
     from zbench.config import from_dict

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
 
 import torch
+
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout holds this script's JSON lines only
 
 
 def _config(args: argparse.Namespace) -> Any:
