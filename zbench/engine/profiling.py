@@ -189,7 +189,7 @@ class StepProfiler:
         Before returning, even on a failure, the cyclic garbage the profile leaves is collected, so the profiled
         step pays for it. torch.profiler's events form reference cycles (about 130,000 objects for a few thousand
         CPU ops); left to the collector, a GPU step's profile cost the next, unprofiled step a 1.9-2.7 s pause
-        (`perf/gc_pause_s`, results/reference/h200x2-niceness-20261127)."""
+        (`perf/gc_pause_s`, results/reference/h200x2-trainer-rollout-20261127)."""
         try:
             return self._write(out_dir, stem, title)
         finally:
