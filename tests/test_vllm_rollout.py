@@ -243,5 +243,6 @@ def test_log_probs_change_no_token() -> None:
         rollout.generate(ids, mask, 5)
     from transformers import AutoModelForCausalLM
 
-    rollout.load_weights(iter(AutoModelForCausalLM.from_pretrained(path).named_parameters()))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # pushed as the actor pushes: bf16, on GPU
+    rollout.load_weights((name, t.detach().cuda()) for name, t in hf.named_parameters())
     assert torch.equal(rollout.generate(ids, mask, 5, sleep=False)["responses"], without["responses"])
