@@ -11,11 +11,12 @@ from pathlib import Path
 
 import matplotlib.colors as mcolors
 import pandas as pd
+import pytest
 from PIL import Image
 from test_analysis_runroot import SIX_CASES, FakeCase, make_run_root
 
 from zbench.analyze.curves import PALETTE, case_styles, collect_series, render_curves, short_root_names
-from zbench.analyze.report import phase_times
+from zbench.analyze.report import ENGINE_COLUMN, phase_table, phase_times
 from zbench.runroot.read import load_run_root, load_spec
 
 
@@ -137,3 +138,33 @@ def test_a_critic_update_beside_the_actor_stacks_only_its_exposed_part(tmp_path:
     assert serial["critic update"] > 0 and serial["critic update, not overlapped"] == 0
     assert concurrent["critic update"] == 0 and concurrent["critic update, not overlapped"] == 0.01
     assert list(table.columns).index("critic update, not overlapped") == list(table.columns).index("critic update") + 1
+
+
+def test_report_gives_the_phase_bars_as_numbers_and_the_rollout_engines_spread(tmp_path: Path) -> None:
+    """report.md's phase table: the bars' mean seconds, "–" for a phase a case did not run (not 0 s), and the rollout
+    engine's median and range over the same steps where a case recorded it, "not recorded" where it did not."""
+    root = make_run_root(tmp_path, SIX_CASES[:2], steps=5)
+    first, second = (root / c.name / "metrics.jsonl" for c in SIX_CASES[:2])
+    rows = [json.loads(line) for line in first.read_text().splitlines()]
+    engine = {2: 1.2, 3: 1.9, 4: 1.5, 5: 1.3}  # step 1 is warm-up: left out, as from the means
+    first.write_text("".join(json.dumps({**r, "perf/rollout_engine_s": engine.get(r["step"], 40.0)}) + "\n"
+                             for r in rows))
+    other = [json.loads(line) for line in second.read_text().splitlines()]
+    second.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "timing_s/values"}) + "\n"
+                              for r in other))
+    run, spec = load_run_root(root), load_spec("report")
+    table = phase_table(run, phase_times(run, spec, fill=False), spec).set_index("case")
+    steady = [r for r in rows if r["step"] >= 2]
+    assert table.loc[SIX_CASES[0].name, "generate (s)"] == pytest.approx(
+        sum(r["timing_s/gen"] for r in steady) / len(steady))
+    assert table.loc[SIX_CASES[0].name, ENGINE_COLUMN] == "1.400 (1.20–1.90), 4 steps"
+    assert table.loc[SIX_CASES[1].name, ENGINE_COLUMN] == "not recorded"
+    assert pd.isna(table.loc[SIX_CASES[1].name, "critic values (s)"])
+    res = zbench("report", "--run-root", root)
+    assert res.returncode == 0, res.stderr
+    md = (root / "report.md").read_text()
+    assert f"| {SIX_CASES[0].name} |" in md.split("## Phase times")[1].split("##")[0]
+    assert "1.400 (1.20–1.90), 4 steps" in md and "1.400 (1.20–1.90), 4 steps" in (root / "report.html").read_text()
+    phase_row = next(line for line in md.splitlines() if line.startswith(f"| {SIX_CASES[1].name} |") and "not recorded"
+                     in line)
+    assert "| – |" in phase_row
