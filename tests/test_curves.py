@@ -141,30 +141,33 @@ def test_a_critic_update_beside_the_actor_stacks_only_its_exposed_part(tmp_path:
 
 
 def test_report_gives_the_phase_bars_as_numbers_and_the_rollout_engines_spread(tmp_path: Path) -> None:
-    """report.md's phase table: the bars' mean seconds, "–" for a phase a case did not run (not 0 s), and the rollout
+    """report.md's phase table: the bars' mean seconds; "–" for a phase a case did not run (not 0 s); a critic update
+    run beside the actor's with its own time and its exposed part (the bar stacks only the latter); the rollout
     engine's median and range over the same steps where a case recorded it, "not recorded" where it did not."""
     root = make_run_root(tmp_path, SIX_CASES[:2], steps=5)
     first, second = (root / c.name / "metrics.jsonl" for c in SIX_CASES[:2])
     rows = [json.loads(line) for line in first.read_text().splitlines()]
     engine = {2: 1.2, 3: 1.9, 4: 1.5, 5: 1.3}  # step 1 is warm-up: left out, as from the means
-    first.write_text("".join(json.dumps({**r, "perf/rollout_engine_s": engine.get(r["step"], 40.0)}) + "\n"
-                             for r in rows))
+    first.write_text("".join(json.dumps({**r, "perf/rollout_engine_s": engine.get(r["step"], 40.0),
+                                         "timing_s/critic_wait": 0.01}) + "\n" for r in rows))
     other = [json.loads(line) for line in second.read_text().splitlines()]
     second.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "timing_s/values"}) + "\n"
                               for r in other))
     run, spec = load_run_root(root), load_spec("report")
-    table = phase_table(run, phase_times(run, spec, fill=False), spec).set_index("case")
+    table = phase_table(run, spec).set_index("case")
     steady = [r for r in rows if r["step"] >= 2]
-    assert table.loc[SIX_CASES[0].name, "generate (s)"] == pytest.approx(
-        sum(r["timing_s/gen"] for r in steady) / len(steady))
-    assert table.loc[SIX_CASES[0].name, ENGINE_COLUMN] == "1.400 (1.20–1.90), 4 steps"
-    assert table.loc[SIX_CASES[1].name, ENGINE_COLUMN] == "not recorded"
-    assert pd.isna(table.loc[SIX_CASES[1].name, "critic values (s)"])
+    a, b = table.loc[SIX_CASES[0].name], table.loc[SIX_CASES[1].name]
+    assert a["generate (s)"] == pytest.approx(sum(r["timing_s/gen"] for r in steady) / len(steady))
+    assert a["critic update (s)"] == pytest.approx(sum(r["timing_s/update_critic"] for r in steady) / len(steady))
+    assert a["critic update, not overlapped (s)"] == pytest.approx(0.01)
+    assert phase_times(run, spec).loc[SIX_CASES[0].name, "critic update"] == 0  # the bar: the exposed part only
+    assert a[ENGINE_COLUMN] == "1.4 (1.2–1.9), 4 steps"
+    assert b[ENGINE_COLUMN] == "not recorded"
+    assert pd.isna(b["critic values (s)"]) and pd.isna(b["critic update, not overlapped (s)"])
     res = zbench("report", "--run-root", root)
     assert res.returncode == 0, res.stderr
     md = (root / "report.md").read_text()
-    assert f"| {SIX_CASES[0].name} |" in md.split("## Phase times")[1].split("##")[0]
-    assert "1.400 (1.20–1.90), 4 steps" in md and "1.400 (1.20–1.90), 4 steps" in (root / "report.html").read_text()
-    phase_row = next(line for line in md.splitlines() if line.startswith(f"| {SIX_CASES[1].name} |") and "not recorded"
-                     in line)
-    assert "| – |" in phase_row
+    section = md.split("## Phase times")[1].split("\n## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith(f"| {SIX_CASES[1].name} |"))
+    assert "not recorded" in row and "| – |" in row
+    assert "1.4 (1.2–1.9), 4 steps" in section and "1.4 (1.2–1.9), 4 steps" in (root / "report.html").read_text()

@@ -224,7 +224,8 @@ def test_log_probs_change_no_token() -> None:
 
     # the fitted KV cache, as on the GPU by default: vLLM then skips its start-up memory profile, which fails when
     # another process on the GPU frees memory meanwhile
-    cfg = from_dict({"algorithm": "grpo", "rollout": {"backend": "vllm", "n": 4, "max_new_tokens": 24, "kv_cache_fit": True},
+    cfg = from_dict({"algorithm": "grpo",
+                     "rollout": {"backend": "vllm", "n": 4, "max_new_tokens": 24, "kv_cache_fit": True},
                      "actor": {"micro_batch_size_per_gpu": 8}, "trainer": {"world_size": 1}})
     path = str(resolve_model("tiny"))
     pad_id, eos_ids = special_ids(path)

@@ -107,11 +107,13 @@ def recorded(run: RunRoot, figure: MemoryFigure) -> bool:
     return any(not math.isnan(c.value(figure.column)) for c in run.cases)
 
 
-def phase_times(run: RunRoot, spec: dict, fill: bool = True) -> pd.DataFrame:
+def phase_times(run: RunRoot, spec: dict, stacked: bool = True) -> pd.DataFrame:
     """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N), one column per
     phase in the spec's pipeline order under its readable name (phases the spec does not name follow, as named).
-    A phase the spec lists as `overlapped` is left out for a case that recorded its exposed part instead. A phase
-    a case did not run is 0 s, as its bar stacks it, or missing (NaN) without `fill`."""
+
+    `stacked` (the bars): a phase the spec lists as `overlapped` is left out for a case that recorded its exposed
+    part instead, so that a bar adds up to its step, and a phase a case did not run is 0 s. Otherwise (the table):
+    every phase a case recorded, its own time even where it ran beside others, and a phase it did not run missing."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
         int(spec.get("mean_from_step", 2))
     overlapped = {f"{prefix}{phase}": f"{prefix}{exposed}" for phase, exposed in (spec.get("overlapped") or {}).items()}
@@ -119,35 +121,37 @@ def phase_times(run: RunRoot, spec: dict, fill: bool = True) -> pd.DataFrame:
     for c in run.cases:
         m = read_metrics(c.dir, steady_from=start)
         # a phase run beside others stacks only as its exposed part, so that the bar adds up to the step
-        beside = {phase for phase, exposed in overlapped.items() if exposed in m.columns}
+        beside = {phase for phase, exposed in overlapped.items() if exposed in m.columns} if stacked else set()
         cols = [k for k in m.columns if str(k).startswith(prefix) and k not in exclude and k not in beside]
         if cols:
             out[c.name] = m[cols].mean()
     table = pd.DataFrame(out).T
-    table = table.fillna(0.0) if fill else table
+    table = table.fillna(0.0) if stacked else table
     names = {f"{prefix}{phase}": label for phase, label in (spec.get("phases") or {}).items()}
     order = [c for c in names if c in table.columns] + [c for c in table.columns if c not in names]
     return table[order].rename(columns=lambda c: names.get(c, str(c).removeprefix(prefix)))
 
 
 ENGINE_KEY = "perf/rollout_engine_s"
-ENGINE_COLUMN = "rollout engine (s): median (min–max)"
+ENGINE_COLUMN = "rollout engine, slowest rank (s): median (min–max)"
 
 
-def phase_table(run: RunRoot, phases: pd.DataFrame, spec: dict) -> pd.DataFrame:
-    """The phase bars as numbers: each case's mean seconds per phase (`phase_times` unfilled: a phase the case did
-    not run stays missing) and, where the case recorded it, the rollout engine's own time inside generation over
-    the same steps, as a median and its range. A rollout's time swings from step to step (vLLM's host loop: 1.18 to
-    1.89 s within one 2 x H200 case), which a mean hides."""
+def phase_table(run: RunRoot, spec: dict) -> pd.DataFrame:
+    """The phase bars as numbers: each case's mean seconds per phase (`phase_times` unstacked: a phase the case did
+    not run is "–", one that ran beside others shows its own time beside its exposed part) and, where the case
+    recorded it, the rollout engine's own time inside generation (the slowest rank's) over the same steps, as a
+    median and its range. A rollout's time swings from step to step (vLLM's host loop: 1.18 to 1.89 s within one
+    2 x H200 case), which a mean hides."""
     start = int(spec.get("mean_from_step", 2))
-    table = phases.rename(columns=lambda c: f"{c} (s)")
+    table = phase_times(run, spec, stacked=False).rename(columns=lambda c: f"{c} (s)")
     table.insert(0, "case", table.index.astype(str))
     spread = {}
     for c in run.cases:
         m = read_metrics(c.dir, steady_from=start)
         engine = m[ENGINE_KEY].dropna() if ENGINE_KEY in m.columns else pd.Series(dtype=float)
         if not engine.empty:
-            spread[c.name] = f"{engine.median():.3f} ({engine.min():.2f}–{engine.max():.2f}), {len(engine)} steps"
+            spread[c.name] = (f"{_fmt(engine.median())} ({_fmt(engine.min())}–{_fmt(engine.max())}), "
+                              f"{len(engine)} steps")
     if spread:
         table[ENGINE_COLUMN] = [spread.get(name, "not recorded") for name in table["case"]]
     return table.reset_index(drop=True)
@@ -299,9 +303,9 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     series, warnings = collect_series([run])
     fig, _ = render_curves(series, load_spec("plot"), f"{run.matrix} — {run.name}")
     curves_png = _png(fig)
-    phases = phase_times(run, rspec, fill=False)
-    phase_png = phase_figure(phases.fillna(0.0)) if not phases.empty else b""
-    phase_rows = phase_table(run, phases, rspec)  # a phase a case did not run: "–", not 0 s
+    phases = phase_times(run, rspec)
+    phase_png = phase_figure(phases) if not phases.empty else b""
+    phase_rows = phase_table(run, rspec)
     mem = memory_table(run)
     env = environment_lines(run.manifest)
     floor_warnings: list[str] = []
