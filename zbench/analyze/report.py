@@ -107,6 +107,11 @@ def recorded(run: RunRoot, figure: MemoryFigure) -> bool:
     return any(not math.isnan(c.value(figure.column)) for c in run.cases)
 
 
+def first_steady_step(spec: dict) -> int:
+    """The first step the report's means count (its spec's `mean_from_step`; step 1 warms up)."""
+    return int(spec.get("mean_from_step", 2))
+
+
 def phase_times(run: RunRoot, spec: dict, stacked: bool = True) -> pd.DataFrame:
     """Mean phase seconds per case (timing_s/* except the step total, steps mean_from_step..N), one column per
     phase in the spec's pipeline order under its readable name (phases the spec does not name follow, as named).
@@ -115,7 +120,7 @@ def phase_times(run: RunRoot, spec: dict, stacked: bool = True) -> pd.DataFrame:
     part instead, so that a bar adds up to its step, and a phase a case did not run is 0 s. Otherwise (the table):
     every phase a case recorded, its own time even where it ran beside others, and a phase it did not run missing."""
     prefix, exclude, start = spec.get("phase_prefix", "timing_s/"), set(spec.get("phase_exclude", [])), \
-        int(spec.get("mean_from_step", 2))
+        first_steady_step(spec)
     overlapped = {f"{prefix}{phase}": f"{prefix}{exposed}" for phase, exposed in (spec.get("overlapped") or {}).items()}
     out = {}
     for c in run.cases:
@@ -142,7 +147,7 @@ def phase_table(run: RunRoot, spec: dict) -> pd.DataFrame:
     recorded it, the rollout engine's own time inside generation (the slowest rank's) over the same steps, as a
     median and its range. A rollout's time swings from step to step (vLLM's host loop: 1.18 to 1.89 s within one
     2 x H200 case), which a mean hides."""
-    start = int(spec.get("mean_from_step", 2))
+    start = first_steady_step(spec)
     table = phase_times(run, spec, stacked=False).rename(columns=lambda c: f"{c} (s)")
     table.insert(0, "case", table.index.astype(str))
     spread = {}
@@ -184,7 +189,7 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
     phase seconds and ranks; mean over steps from mean_from_step), beside the bare-DeepSpeed floor measured for
     the case's ZeRO stage and offload (`floors.jsonl` in the run root) and the actor and critic updates' distance
     to it."""
-    start = int(spec.get("mean_from_step", 2))
+    start = first_steady_step(spec)
     rows = []
     for c in run.cases:
         cfg = read_case_config(c.dir)
@@ -249,8 +254,9 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def phase_figure(phases: pd.DataFrame) -> bytes:
-    """Stacked horizontal bar of mean phase times per case, phases left to right in the order of the columns."""
+def phase_figure(phases: pd.DataFrame, first_step: int) -> bytes:
+    """Stacked horizontal bar of mean phase times per case, phases left to right in the order of the columns; the
+    means are over steps `first_step`..N (the spec's `mean_from_step`)."""
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(phases) + 1.8), layout="constrained")
     left = pd.Series(0.0, index=phases.index)
     cmap = plt.get_cmap("tab10")
@@ -258,7 +264,7 @@ def phase_figure(phases: pd.DataFrame) -> bytes:
         ax.barh(phases.index, phases[col], left=left, label=str(col), color=cmap(i % 10))
         left += phases[col]
     ax.invert_yaxis()
-    ax.set_xlabel("seconds per step (mean over steps 2..N)")
+    ax.set_xlabel(f"seconds per step (mean over steps {first_step}..N, a profiled step left out)")
     ax.set_title("Phase times per case")
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     return _png(fig)
@@ -304,7 +310,7 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     fig, _ = render_curves(series, load_spec("plot"), f"{run.matrix} — {run.name}")
     curves_png = _png(fig)
     phases = phase_times(run, rspec)
-    phase_png = phase_figure(phases) if not phases.empty else b""
+    phase_png = phase_figure(phases, first_steady_step(rspec)) if not phases.empty else b""
     phase_rows = phase_table(run, rspec)
     mem = memory_table(run)
     env = environment_lines(run.manifest)
