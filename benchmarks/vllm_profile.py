@@ -8,8 +8,10 @@ where zbench keeps it in the trainer's process for the weight push). Two more va
 a trainer's rank: `"nice": N` runs it at that niceness (Ray raises its workers' niceness by 15, its
 `RAY_worker_niceness`), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's
 weights into it before the next, as the trainer does (the push wakes it; it is not timed, as the trainer times it
-apart; a rollout's time then includes the sleep, as the trainer's gen phase does). GSM8K prompts are repeated `--n`
-times, as GRPO samples them. Measured:
+apart; a rollout's time then includes the sleep, as the trainer's gen phase does). `"env": {...}` sets environment
+variables before vLLM is imported, e.g. `{"VLLM_USE_V2_MODEL_RUNNER": "0"}` for vLLM's V1 model runner (vLLM 0.26
+runs Qwen3 on its V2 runner, whose input preparation launches Triton kernels from Python at every decode step).
+GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
 
 - `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends,
   from an empty prefix cache, as after the trainer's weight push) and with one unseeded request list (vLLM then
@@ -60,6 +62,16 @@ def _config(args: argparse.Namespace) -> Any:
 def _emit(**row: Any) -> None:
     row["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     print(json.dumps(row), flush=True)
+
+
+def variant_env(variant: dict[str, Any]) -> dict[str, str]:
+    """A variant's `"env"`: environment variables (names to strings or numbers) for this process, set before vLLM
+    is imported."""
+    env = variant.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float)
+                                            for k, v in env.items()):
+        raise SystemExit(f'--variant: "env" must map variable names to strings or numbers, got {env!r}')
+    return {k: str(v) for k, v in env.items()}
 
 
 def _barrier(where: str, parties: int, timeout_s: float = 600.0) -> float:
@@ -135,14 +147,16 @@ def main() -> int:
     ap.add_argument("--barrier", help="a folder the processes measuring together mark themselves ready in")
     ap.add_argument("--parties", type=int, default=1, help="processes that meet at --barrier")
     args = ap.parse_args()
+    variant = json.loads(args.variant)
+    name = variant["name"]
+    env = variant_env(variant)
+    os.environ.update(env)
 
     from vllm import SamplingParams, TokensPrompt
 
     from zbench.engine import vllm_rollout
     from zbench.engine.profiling import host_functions
 
-    variant = json.loads(args.variant)
-    name = variant["name"]
     cycle = bool(variant.get("cycle"))
     if cycle and not variant.get("in_process", True):
         raise SystemExit('--variant: "cycle" pushes weights into the engine, which needs it in this process: drop '
@@ -154,7 +168,7 @@ def main() -> int:
     _emit(variant=name, measure="engine_start_s", value=round(time.perf_counter() - start, 2),
           device=torch.cuda.get_device_name())
     weights = checkpoint_weights(args.model) if cycle else None
-    _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=cycle)
+    _emit(variant=name, measure="process", niceness=os.getpriority(os.PRIO_PROCESS, 0), cycle=cycle, env=env)
     if args.barrier:
         _emit(variant=name, measure="barrier_wait_s", value=round(_barrier(args.barrier, args.parties), 2))
 

@@ -249,3 +249,21 @@ def test_log_probs_change_no_token() -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # pushed as the actor pushes: bf16, on GPU
     rollout.load_weights((name, t.detach().cuda()) for name, t in hf.named_parameters())
     assert torch.equal(rollout.generate(ids, mask, 5, sleep=False)["responses"], without["responses"])
+
+
+def test_profile_benchmark_variant_env() -> None:
+    """`benchmarks/vllm_profile.py`'s `"env"` variant key: the variables it sets before importing vLLM, as strings;
+    anything but a mapping of names to strings or numbers is refused, naming the key."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_profile.py"
+    spec = importlib.util.spec_from_file_location("vllm_profile_under_test", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # imports no vLLM at module level
+    assert bench.variant_env({"name": "v1-runner", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0", "X": 2}}) == \
+        {"VLLM_USE_V2_MODEL_RUNNER": "0", "X": "2"}
+    assert bench.variant_env({"name": "default"}) == {}
+    for bad in (["VLLM_USE_V2_MODEL_RUNNER=0"], {"X": None}, {1: "0"}):
+        with pytest.raises(SystemExit, match='"env" must map variable names to strings or numbers'):
+            bench.variant_env({"name": "bad", "env": bad})
