@@ -87,3 +87,28 @@ def test_compare_fails_on_a_figure_one_side_lacks_and_speaks_json_and_markdown(t
     assert "**FAIL**" in res.stdout and "- zero1: throughput_mean not recorded in NEW" in res.stdout
     res = zbench("compare", base, new, "--format", "html")
     assert res.returncode == 2 and "--format: 'html' is not one of text, md, json" in res.stderr
+
+
+def test_compare_names_how_the_runs_environments_differ_without_failing(tmp_path: Path) -> None:
+    """A delta between runs on other package versions, GPUs or environment variables is no regression of the code:
+    the gate says what differs (text, Markdown, JSON) and still judges only its thresholds."""
+    base = make_run_root(tmp_path, SIX_CASES[:2], steps=3, name="base")
+    new = tmp_path / "new"
+    shutil.copytree(base, new)
+    res = zbench("compare", base, new, "--format", "json")
+    assert res.returncode == 0 and json.loads(res.stdout)["environment_differences"] == []
+    for root, variables in ((base, {"RAY_worker_niceness": "15"}), (new, {"VLLM_USE_V2_MODEL_RUNNER": "0",
+                                                                          "RAY_worker_niceness": "15"})):
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["variables"] = variables
+        if root == new:
+            manifest["versions"]["vllm"] = "0.28.0"
+        (root / "manifest.json").write_text(json.dumps(manifest))
+    res = zbench("compare", base, new, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["environment_differences"] == [
+        "vllm (not installed) in BASE, 0.28.0 in NEW", "VLLM_USE_V2_MODEL_RUNNER=(unset) in BASE, 0 in NEW"]
+    for fmt in ("text", "md"):
+        res = zbench("compare", base, new, "--format", fmt)
+        assert res.returncode == 0 and "the runs' environments differ: vllm (not installed) in BASE, 0.28.0 in NEW; " \
+            "VLLM_USE_V2_MODEL_RUNNER=(unset) in BASE, 0 in NEW" in res.stdout

@@ -260,6 +260,27 @@ def test_collect_environment() -> None:
     assert "'torch'" not in loaded and "'deepspeed'" not in loaded and "'ray'" not in loaded  # metadata only
 
 
+def test_recorded_variables_name_what_changes_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest records the environment variables that change how a case runs, from the harness's own
+    environment; secrets stay out, a path's value stays out (the name stays); the report prints them in a line."""
+    environ = {"VLLM_USE_V2_MODEL_RUNNER": "0", "RAY_worker_niceness": "15", "NCCL_DEBUG_FILE": "/tmp/nccl.%h",
+               "TORCHINDUCTOR_CACHE_DIR": "~/cache", "HF_TOKEN": "hf_x", "RAY_AUTH_TOKEN": "t", "WANDB_API_KEY": "k",
+               "CUDA_VISIBLE_DEVICES": "1", "HOME": "/root", "UNRELATED": "1"}
+    assert env.recorded_variables(environ) == {
+        "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG_FILE": env.PATH_VALUE, "RAY_worker_niceness": "15",
+        "TORCHINDUCTOR_CACHE_DIR": env.PATH_VALUE, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    manifest = RunRoot.create(tmp_path / "results", "t", matrix="m", matrix_file=None, seed=1, steps=1,
+                              cases=[]).manifest  # the environment collected here
+    assert manifest["variables"]["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "RAY_AUTH_TOKEN" not in manifest["variables"]
+    from zbench.analyze.report import environment_lines
+
+    lines = environment_lines(manifest)
+    assert len(lines) == 3 and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[2].split("environment: ")[1].split(" · ")
+    assert len(environment_lines({**manifest, "variables": {}})) == 2  # none set: no line
+
+
 def test_deepspeed_op_compatibility(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
     monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))

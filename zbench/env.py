@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,14 @@ from typing import Any
 import zbench
 
 VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
+
+# environment variables that change what a case runs or how fast, recorded with the run: vLLM, NCCL, Ray, CUDA,
+# torch and DeepSpeed settings, thread counts, offline switches (`VLLM_USE_V2_MODEL_RUNNER=0` picks another model
+# runner; `RAY_worker_niceness` the workers' priority)
+RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "DS_", "OMP_",
+                              "MKL_", "TOKENIZERS_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+PATH_VALUE = "(a path, not recorded)"
 
 
 def package_version(package: str) -> str | None:
@@ -98,8 +107,23 @@ def _cpu() -> dict[str, Any]:
     return {"model": model, "logical_cores": os.cpu_count(), "usable_cores": usable}
 
 
+def recorded_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables of `RECORDED_VARIABLE_PREFIXES` set here (default: this process's), by name. One
+    whose name marks a secret (a token, a key) is left out; a path's value is replaced by `PATH_VALUE`, as a run's
+    record must not carry this machine's paths (the name still says the variable was set)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for name in sorted(env):
+        if not name.startswith(RECORDED_VARIABLE_PREFIXES) or any(m in name.upper() for m in _SECRET_MARKERS):
+            continue
+        value = env[name]
+        out[name] = PATH_VALUE if "/" in value or value.startswith("~") else value
+    return out
+
+
 def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
-    """Python and package versions, GPUs, CPU, host, git commit + dirty flag: what a manifest or bug report needs.
+    """Python and package versions, GPUs, CPU, host, git commit + dirty flag, the recorded environment variables:
+    what a manifest or bug report needs.
 
     Versions come from package metadata, so nothing heavy is imported; pass ``probe_torch`` to ask torch.cuda
     for GPUs even where nvidia-smi is absent (imports torch).
@@ -113,6 +137,7 @@ def collect_environment(probe_torch: bool = False) -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": sys.platform,
         "git": _git_info(),
+        "variables": recorded_variables(),
     }
 
 

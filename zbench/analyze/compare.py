@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -87,15 +87,46 @@ def summary_of(source: Path) -> pd.DataFrame:
     return read_summary(source)
 
 
-def matrix_of(source: Path) -> str | None:
-    """The matrix a run root (or a summary TSV inside one) ran, from its manifest; None for a TSV on its own."""
+def manifest_of(source: Path) -> dict:
+    """The manifest of a run root (or of the run root a summary TSV lies in); empty for a TSV on its own."""
     source = Path(source)
     manifest = (source if source.is_dir() else source.parent) / "manifest.json"
     try:
         data = json.loads(manifest.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
-    return str(data["matrix"]) if isinstance(data, dict) and data.get("matrix") else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def matrix_of(source: Path) -> str | None:
+    """The matrix a run root (or a summary TSV inside one) ran, from its manifest; None for a TSV on its own."""
+    data = manifest_of(source)
+    return str(data["matrix"]) if data.get("matrix") else None
+
+
+def environment_differences(base: dict, new: dict) -> list[str]:
+    """What differs between two runs' environments, from their manifests: package versions, GPUs, CPU, and the
+    recorded environment variables (`zbench.env.recorded_variables`). A difference does not fail the gate, but a
+    delta it explains is no regression of the code; runs whose manifests lack a part are not compared on it."""
+    def gpus(m: dict) -> str:
+        names = [g.get("name") for g in m.get("gpus") or []]
+        return f"{len(names)}× {names[0]}" if names else "no GPU"
+
+    out = []
+    if base and new:
+        old_v, new_v = base.get("versions") or {}, new.get("versions") or {}
+        out += [f"{k} {old_v.get(k) or '(not installed)'} in BASE, {new_v.get(k) or '(not installed)'} in NEW"
+                for k in sorted(set(old_v) | set(new_v)) if old_v.get(k) != new_v.get(k)]
+        if gpus(base) != gpus(new):
+            out.append(f"GPUs: {gpus(base)} in BASE, {gpus(new)} in NEW")
+        old_cpu, new_cpu = ((m.get("cpu") or {}).get("model") for m in (base, new))
+        if old_cpu and new_cpu and old_cpu != new_cpu:
+            out.append(f"CPU: {old_cpu} in BASE, {new_cpu} in NEW")
+    if "variables" in base and "variables" in new:
+        old_e, new_e = base["variables"] or {}, new["variables"] or {}
+        out += [f"{k}={old_e.get(k, '(unset)')} in BASE, {new_e.get(k, '(unset)')} in NEW"
+                for k in sorted(set(old_e) | set(new_e)) if old_e.get(k) != new_e.get(k)]
+    return out
 
 
 def incomparable(base: pd.DataFrame, new: pd.DataFrame, base_matrix: str | None,
@@ -119,6 +150,7 @@ class Comparison:
     failures: list[str]
     thresholds: list[Threshold]
     unmeasured: list[str]
+    differences: list[str] = field(default_factory=list)  # of the two runs' environments, which do not fail it
 
 
 def compare(base: pd.DataFrame, new: pd.DataFrame, thresholds: list[Threshold]) -> Comparison:
@@ -169,10 +201,12 @@ def render(result: Comparison, fmt: str) -> str:
                    for r in result.deltas.to_dict("records")]
         return json.dumps({"ok": not result.failures, "failures": result.failures,
                            "thresholds": [str(t) for t in result.thresholds],
-                           "not_recorded_by_either_run": result.unmeasured, "deltas": records}, indent=2)
+                           "not_recorded_by_either_run": result.unmeasured,
+                           "environment_differences": result.differences, "deltas": records}, indent=2)
     gates = "thresholds: " + ", ".join(map(str, result.thresholds))
     blind = (f"not recorded by either run, so not gated: {', '.join(result.unmeasured)}" if result.unmeasured
              else "")
+    differ = (f"the runs' environments differ: {'; '.join(result.differences)}" if result.differences else "")
     if fmt == "md":
         def cell(v: object) -> str:
             return "–" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -182,9 +216,10 @@ def render(result: Comparison, fmt: str) -> str:
         table += ["| " + " | ".join(cell(v) for v in row) + " |" for row in result.deltas.itertuples(index=False)]
         verdict = (["**FAIL**", "", *(f"- {f}" for f in result.failures)] if result.failures
                    else ["**OK**: no threshold crossed"])
-        return "\n".join([*table, "", gates, *([blind] if blind else []), "", *verdict])
+        return "\n".join([*table, "", gates, *([blind] if blind else []), *([differ] if differ else []), "",
+                          *verdict])
     text = result.deltas.to_string(index=False, float_format=lambda x: f"{x:.4g}") if not result.deltas.empty else ""
-    return "\n".join(filter(None, [text, gates, blind]))
+    return "\n".join(filter(None, [text, gates, blind, differ]))
 
 
 def compare_sources(base: Path, new: Path, fail_on: str | None = None, force: bool = False) -> Comparison:
@@ -196,4 +231,6 @@ def compare_sources(base: Path, new: Path, fail_on: str | None = None, force: bo
     if reasons and not force:
         raise ValueError(f"{base} and {new} measure different things ({'; '.join(reasons)}); compare runs of one "
                          "matrix, or pass --force to compare them anyway")
-    return compare(old, cur, thresholds)
+    result = compare(old, cur, thresholds)
+    result.differences = environment_differences(manifest_of(base), manifest_of(new))
+    return result

@@ -46,7 +46,8 @@ REPORT_FILES = ("report.md", "report.html", "curves.png", "phase_times.png", "fr
 
 
 def environment_lines(manifest: dict) -> list[str]:
-    """The environment in two lines: software, then hardware and run."""
+    """The environment in two lines, software, then hardware and run; a third with the environment variables the
+    manifest recorded (`zbench.env.recorded_variables`), where there are any."""
     v = manifest.get("versions", {})
     git = manifest.get("git", {})
     soft = " · ".join([f"zbench {manifest.get('zbench_version', '?')}",
@@ -64,7 +65,8 @@ def environment_lines(manifest: dict) -> list[str]:
                       f"matrix {manifest.get('matrix', '?')}", f"seed {manifest.get('seed', '?')}",
                       f"{manifest.get('steps', '?')} steps",
                       f"{manifest.get('started_at', '?')} → {manifest.get('ended_at', '?')}"])
-    return [soft, run]
+    variables = manifest.get("variables") or {}
+    return [soft, run, *(["environment: " + " · ".join(f"{k}={v}" for k, v in variables.items())] if variables else [])]
 
 
 def _fmt(x: float, digits: int = 3) -> str:

@@ -115,6 +115,8 @@ class RunRoot:
             "gpus": env.get("gpus", []),
             "host": env.get("host", socket.gethostname()),
             "cpu": env.get("cpu"),  # a host-bound phase (vLLM's decode loop) moves with it
+            # what the cases inherit from the harness's environment that changes how they run (zbench.env)
+            "variables": env.get("variables", {}),
             "runner": runner,
             "models": dict(models or {}),
             "started_at": utc_now(),
