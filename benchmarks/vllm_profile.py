@@ -9,7 +9,7 @@ a trainer's rank: `"nice": N` runs it at that niceness (Ray raises its workers' 
 `RAY_worker_niceness`), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's
 weights into it before the next, as the trainer does (the push wakes it; it is not timed, as the trainer times it
 apart; a rollout's time then includes the sleep, as the trainer's gen phase does). `"env": {...}` sets environment
-variables before vLLM is imported, e.g. `{"VLLM_USE_V2_MODEL_RUNNER": "0"}` for vLLM's V1 model runner (vLLM 0.26
+variables before vLLM is imported (torch already is), e.g. `{"VLLM_USE_V2_MODEL_RUNNER": "0"}` for vLLM's V1 model runner (vLLM 0.26
 runs Qwen3 on its V2 runner, whose input preparation launches Triton kernels from Python at every decode step).
 GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
 
@@ -69,8 +69,10 @@ def variant_env(variant: dict[str, Any]) -> dict[str, str]:
     is imported."""
     env = variant.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str | int | float)
-                                            for k, v in env.items()):
+                                            and not isinstance(v, bool) for k, v in env.items()):
         raise SystemExit(f'--variant: "env" must map variable names to strings or numbers, got {env!r}')
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" in env:  # zbench.engine.vllm_rollout sets it from in_process
+        raise SystemExit('--variant: "env" may not set VLLM_ENABLE_V1_MULTIPROCESSING; use "in_process": false')
     return {k: str(v) for k, v in env.items()}
 
 

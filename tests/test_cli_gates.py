@@ -108,7 +108,15 @@ def test_compare_names_how_the_runs_environments_differ_without_failing(tmp_path
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["environment_differences"] == [
         "vllm (not installed) in BASE, 0.28.0 in NEW", "VLLM_USE_V2_MODEL_RUNNER=(unset) in BASE, 0 in NEW"]
+    # a run from before variables were recorded: what the other one ran with is still said
+    manifest = json.loads((base / "manifest.json").read_text())
+    del manifest["variables"]
+    (base / "manifest.json").write_text(json.dumps(manifest))
+    res = zbench("compare", base, new, "--format", "json")
+    assert res.returncode == 0 and json.loads(res.stdout)["environment_differences"][-1] == (
+        "environment variables recorded only in NEW (BASE has no record of them): VLLM_USE_V2_MODEL_RUNNER=0, "
+        "RAY_worker_niceness=15")
     for fmt in ("text", "md"):
         res = zbench("compare", base, new, "--format", fmt)
         assert res.returncode == 0 and "the runs' environments differ: vllm (not installed) in BASE, 0.28.0 in NEW; " \
-            "VLLM_USE_V2_MODEL_RUNNER=(unset) in BASE, 0 in NEW" in res.stdout
+            "environment variables recorded only in NEW" in res.stdout

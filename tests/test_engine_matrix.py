@@ -98,14 +98,21 @@ def resumed(interrupted: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     shutil.copytree(interrupted, root)
     before = {c: (root / c / "metrics.jsonl").read_bytes() for c in SIX[:2]}
     status_before = {c: (root / c / "status.json").read_text() for c in SIX[:2]}
+    # resumed in another environment than the run began in: said, and both kept in the manifest
     res = subprocess.run([*ZBENCH, "resume", str(root), "--retries", "0"], capture_output=True, text=True,
-                         timeout=1500)
+                         timeout=1500, env={**os.environ, "NCCL_DEBUG": "VERSION"})
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    (root.parent / "resume.out").write_text(res.stdout)
     return root, before, status_before
 
 
 def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, dict, dict]) -> None:
     root, before, status_before = resumed
+    manifest = json.loads((root / "manifest.json").read_text())
+    first = manifest["variables"].get("NCCL_DEBUG", "(unset)")
+    assert first != "VERSION" and manifest["resumes"][-1]["variables"]["NCCL_DEBUG"] == "VERSION"
+    out = (root.parent / "resume.out").read_text()
+    assert "this resume's environment differs from the run's: " in out and f"NCCL_DEBUG={first} -> VERSION" in out
     rows = summary(root)
     assert all(rows[c]["status"] == "completed" and rows[c]["steps_completed"] == str(STEPS) for c in SIX), rows
     for c in SIX[:2]:

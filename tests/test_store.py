@@ -261,14 +261,18 @@ def test_collect_environment() -> None:
 
 
 def test_recorded_variables_name_what_changes_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The manifest records the environment variables that change how a case runs, from the harness's own
-    environment; secrets stay out, a path's value stays out (the name stays); the report prints them in a line."""
+    """The manifest records the environment variables that change how a case runs: secrets stay out (by a word of
+    their name), so do paths and logins in values (the name stays), and so do those zbench sets itself for the
+    workers; the report prints them in a line."""
     environ = {"VLLM_USE_V2_MODEL_RUNNER": "0", "RAY_worker_niceness": "15", "NCCL_DEBUG_FILE": "/tmp/nccl.%h",
-               "TORCHINDUCTOR_CACHE_DIR": "~/cache", "HF_TOKEN": "hf_x", "RAY_AUTH_TOKEN": "t", "WANDB_API_KEY": "k",
+               "TORCHINDUCTOR_CACHE_DIR": "~/cache", "RAY_REDIS_ADDRESS": "user:pw@host:6379", "RAY_AUTH_MODE": "off",
+               "RAY_REDIS_PASSWD": "pw", "RAY_AUTH_TOKEN": "t", "WANDB_API_KEY": "k", "HF_TOKEN": "hf_x",
+               "TOKENIZERS_PARALLELISM": "true", "OMP_NUM_THREADS": "4", "OMP_PROC_BIND": "close",
                "CUDA_VISIBLE_DEVICES": "1", "HOME": "/root", "UNRELATED": "1"}
     assert env.recorded_variables(environ) == {
-        "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG_FILE": env.PATH_VALUE, "RAY_worker_niceness": "15",
-        "TORCHINDUCTOR_CACHE_DIR": env.PATH_VALUE, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+        "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG_FILE": env.HIDDEN_VALUE, "OMP_PROC_BIND": "close",
+        "RAY_AUTH_MODE": "off", "RAY_REDIS_ADDRESS": env.HIDDEN_VALUE, "RAY_worker_niceness": "15",
+        "TORCHINDUCTOR_CACHE_DIR": env.HIDDEN_VALUE, "VLLM_USE_V2_MODEL_RUNNER": "0"}
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
     manifest = RunRoot.create(tmp_path / "results", "t", matrix="m", matrix_file=None, seed=1, steps=1,
@@ -277,8 +281,24 @@ def test_recorded_variables_name_what_changes_a_run(tmp_path: Path, monkeypatch:
     from zbench.analyze.report import environment_lines
 
     lines = environment_lines(manifest)
-    assert len(lines) == 3 and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[2].split("environment: ")[1].split(" · ")
+    assert len(lines) == 3 and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[2].split("variables: ")[1].split(" · ")
     assert len(environment_lines({**manifest, "variables": {}})) == 2  # none set: no line
+
+
+def test_a_runner_profile_adds_to_the_recorded_variables_and_says_how_far_they_reach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a profile's `env` gives the cases is recorded with the rest; on a Ray cluster, the record says the
+    workers do not have it (they take their nodes' environment)."""
+    from zbench.analyze.report import environment_lines
+    from zbench.harness.runner_profile import RunnerProfile
+
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    local = RunnerProfile(name="p", env={"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO"}).recorded_environment()
+    assert local["variables"]["NCCL_SOCKET_IFNAME"] == "eth0" and local["variables"]["NCCL_DEBUG"] == "INFO"
+    assert "private Ray" in local["variables_reach"]
+    cluster = RunnerProfile(name="c", ray_address="auto").recorded_environment()
+    line = environment_lines({**cluster, "versions": {}})[2]
+    assert line.startswith("variables (the cases' drivers only: the Ray cluster's workers have their nodes' ")
 
 
 def test_deepspeed_op_compatibility(monkeypatch: pytest.MonkeyPatch) -> None:

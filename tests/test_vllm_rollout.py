@@ -264,6 +264,8 @@ def test_profile_benchmark_variant_env() -> None:
     assert bench.variant_env({"name": "v1-runner", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0", "X": 2}}) == \
         {"VLLM_USE_V2_MODEL_RUNNER": "0", "X": "2"}
     assert bench.variant_env({"name": "default"}) == {}
-    for bad in (["VLLM_USE_V2_MODEL_RUNNER=0"], {"X": None}, {1: "0"}):
+    for bad in (["VLLM_USE_V2_MODEL_RUNNER=0"], {"X": None}, {1: "0"}, {"X": True}):
         with pytest.raises(SystemExit, match='"env" must map variable names to strings or numbers'):
             bench.variant_env({"name": "bad", "env": bad})
+    with pytest.raises(SystemExit, match='may not set VLLM_ENABLE_V1_MULTIPROCESSING; use "in_process": false'):
+        bench.variant_env({"name": "bad", "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}})

@@ -132,7 +132,7 @@ def env(ray_address: Annotated[str | None, typer.Option(help="Also report this R
     else:
         for key, value in report.items():
             if isinstance(value, dict):
-                console.print(f"[bold]{key}[/bold]")
+                console.print(f"[bold]{key}[/bold]" + ("" if value else ": none"))
                 for k, v in value.items():
                     console.print(f"  {k}: {v}", highlight=False)
             else:

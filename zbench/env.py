@@ -23,8 +23,14 @@ VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
 # runner; `RAY_worker_niceness` the workers' priority)
 RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "DS_", "OMP_",
                               "MKL_", "TOKENIZERS_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-_SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
-PATH_VALUE = "(a path, not recorded)"
+# set by zbench itself for the processes that use them, whatever the harness had: the trainer's worker environment
+# (zbench.engine.trainer: threads, tokenizers, the CPU accelerator) and the in-process vLLM engine
+# (zbench.engine.vllm_rollout); recording the harness's value would name one the workers never ran with
+SET_BY_ZBENCH = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "VLLM_ENABLE_V1_MULTIPROCESSING")
+# a name with one of these words (between underscores) holds a credential
+_SECRET_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL",
+                           "CREDENTIALS"})
+HIDDEN_VALUE = "(a path or an address, not recorded)"
 
 
 def package_version(package: str) -> str | None:
@@ -108,16 +114,18 @@ def _cpu() -> dict[str, Any]:
 
 
 def recorded_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment variables of `RECORDED_VARIABLE_PREFIXES` set here (default: this process's), by name. One
-    whose name marks a secret (a token, a key) is left out; a path's value is replaced by `PATH_VALUE`, as a run's
-    record must not carry this machine's paths (the name still says the variable was set)."""
+    """The environment variables of `RECORDED_VARIABLE_PREFIXES` set in `environ` (default: this process's), by
+    name, but for those zbench sets itself (`SET_BY_ZBENCH`). A name holding a credential is left out; a value
+    that is a path or an address with a user (`/`, `~`, `@`) is replaced by `HIDDEN_VALUE`, as a run's record must
+    carry neither this machine's paths nor a login (the name still says the variable was set)."""
     env = os.environ if environ is None else environ
     out: dict[str, str] = {}
     for name in sorted(env):
-        if not name.startswith(RECORDED_VARIABLE_PREFIXES) or any(m in name.upper() for m in _SECRET_MARKERS):
+        if (not name.startswith(RECORDED_VARIABLE_PREFIXES) or name in SET_BY_ZBENCH
+                or _SECRET_WORDS & set(name.upper().split("_"))):
             continue
         value = env[name]
-        out[name] = PATH_VALUE if "/" in value or value.startswith("~") else value
+        out[name] = HIDDEN_VALUE if "/" in value or "@" in value or value.startswith("~") else value
     return out
 
 

@@ -107,25 +107,36 @@ def matrix_of(source: Path) -> str | None:
 def environment_differences(base: dict, new: dict) -> list[str]:
     """What differs between two runs' environments, from their manifests: package versions, GPUs, CPU, and the
     recorded environment variables (`zbench.env.recorded_variables`). A difference does not fail the gate, but a
-    delta it explains is no regression of the code; runs whose manifests lack a part are not compared on it."""
+    delta it explains is no regression of the code. A part only one manifest recorded is said to be so (runs from
+    before zbench recorded variables have none); a part neither recorded is not compared. A merged summary
+    (`summary_complete.tsv`) is described by the manifest of the run root it lies in, not its reruns'."""
     def gpus(m: dict) -> str:
-        names = [g.get("name") for g in m.get("gpus") or []]
+        names = [g.get("name") for g in m["gpus"] or []]
         return f"{len(names)}× {names[0]}" if names else "no GPU"
 
+    def both(key: str) -> bool:
+        return key in base and key in new
+
     out = []
-    if base and new:
-        old_v, new_v = base.get("versions") or {}, new.get("versions") or {}
+    if both("versions"):
+        old_v, new_v = base["versions"] or {}, new["versions"] or {}
         out += [f"{k} {old_v.get(k) or '(not installed)'} in BASE, {new_v.get(k) or '(not installed)'} in NEW"
                 for k in sorted(set(old_v) | set(new_v)) if old_v.get(k) != new_v.get(k)]
-        if gpus(base) != gpus(new):
-            out.append(f"GPUs: {gpus(base)} in BASE, {gpus(new)} in NEW")
-        old_cpu, new_cpu = ((m.get("cpu") or {}).get("model") for m in (base, new))
-        if old_cpu and new_cpu and old_cpu != new_cpu:
-            out.append(f"CPU: {old_cpu} in BASE, {new_cpu} in NEW")
-    if "variables" in base and "variables" in new:
+    if both("gpus") and gpus(base) != gpus(new):
+        out.append(f"GPUs: {gpus(base)} in BASE, {gpus(new)} in NEW")
+    old_cpu, new_cpu = ((m.get("cpu") or {}).get("model") for m in (base, new))
+    if old_cpu and new_cpu and old_cpu != new_cpu:
+        out.append(f"CPU: {old_cpu} in BASE, {new_cpu} in NEW")
+    if both("variables"):
         old_e, new_e = base["variables"] or {}, new["variables"] or {}
         out += [f"{k}={old_e.get(k, '(unset)')} in BASE, {new_e.get(k, '(unset)')} in NEW"
                 for k in sorted(set(old_e) | set(new_e)) if old_e.get(k) != new_e.get(k)]
+    else:
+        for side, m in (("BASE", base), ("NEW", new)):
+            if m.get("variables"):
+                other = "NEW" if side == "BASE" else "BASE"
+                out.append(f"environment variables recorded only in {side} ({other} has no record of them): "
+                           + ", ".join(f"{k}={v}" for k, v in m["variables"].items()))
     return out
 
 

@@ -66,7 +66,10 @@ def environment_lines(manifest: dict) -> list[str]:
                       f"{manifest.get('steps', '?')} steps",
                       f"{manifest.get('started_at', '?')} → {manifest.get('ended_at', '?')}"])
     variables = manifest.get("variables") or {}
-    return [soft, run, *(["environment: " + " · ".join(f"{k}={v}" for k, v in variables.items())] if variables else [])]
+    reach = str(manifest.get("variables_reach") or "")
+    where = f" ({reach})" if "cluster" in reach else ""  # on a Ray cluster, the workers have their nodes' own
+    return [soft, run, *([f"variables{where}: " + " · ".join(f"{k}={v}" for k, v in variables.items())]
+                         if variables else [])]
 
 
 def _fmt(x: float, digits: int = 3) -> str:

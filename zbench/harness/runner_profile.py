@@ -8,6 +8,7 @@ the profile's ``env`` verbatim; ``num_workers`` becomes the cases' ``trainer.wor
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from zbench import shipped_specs
+from zbench.env import recorded_variables
 
 _ADDRESS_RE = re.compile(r"auto|ray://[\w.\-]+:\d+|[\w.\-]+:\d+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -57,6 +59,14 @@ class RunnerProfile:
             "ZBENCH_RAY_ADDRESS": self.ray_address,
             "ZBENCH_RAY_NODE_IP": self.node_ip_address,
         }
+
+    def recorded_environment(self) -> dict[str, Any]:
+        """The manifest's record of the environment the cases start with (this process's, with the profile's `env`
+        on top; `zbench.env.recorded_variables`) and of which processes it reaches: on a Ray cluster, the
+        workers take their nodes' environment, not the case's."""
+        reach = ("the cases' drivers only: the Ray cluster's workers have their nodes' environment"
+                 if self.ray_address else "the cases' processes and their private Ray's workers")
+        return {"variables": recorded_variables({**os.environ, **self.case_env()}), "variables_reach": reach}
 
     def command(self) -> tuple[str, ...]:
         """The argv prefix that starts the engine; the case dir is appended per case."""

@@ -13,6 +13,7 @@ from zbench.harness.launch import LaunchOptions, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, expand, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
+from zbench.runroot.casedir import utc_now
 from zbench.runroot.root import RunRoot
 
 
@@ -85,7 +86,8 @@ def run_matrix(req: RunRequest, argv: list[str], out: TextIO = sys.stdout) -> tu
     # recorded as the user named it: a shipped matrix by its package path, a file by the path given
     matrix_file = f"matrices/{matrix.name}.yaml" if req.matrix in shipped_matrices() else req.matrix
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
-                                steps=req.steps, cases=cases, command=argv, runner=profile.name, models=models)
+                                steps=req.steps, cases=cases, command=argv, runner=profile.name, models=models,
+                                **profile.recorded_environment())
     print(f"[zbench] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     describe_device_defaults(cases, out)
     options = options_for_profile(profile, case_timeout_s=req.case_timeout_s, step_timeout_s=req.step_timeout_s,
@@ -105,6 +107,15 @@ def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | 
     options = options_for_profile(profile, case_timeout_s=case_timeout_s, step_timeout_s=step_timeout_s,
                                   retries=retries)
     print(f"[zbench] resuming {root.path}", file=out, flush=True)
+    now = profile.recorded_environment()
+    if "variables" in manifest and now["variables"] != manifest["variables"]:
+        # the resumed cases run in another environment than the first ones: say so, and keep both on record
+        old, new = manifest["variables"], now["variables"]
+        changed = [f"{k}={old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k)]
+        print(f"[zbench] warning: this resume's environment differs from the run's: {', '.join(changed)}; "
+              "manifest.json keeps both (resumes)", file=out, flush=True)
+    root.update_manifest(resumes=[*manifest.get("resumes", []), {"at": utc_now(), "runner": profile.name, **now}])
     return root, _launch(root, cases, options, out)
 
 

@@ -409,7 +409,8 @@ def run_tune(req: TuneRequest, argv: list[str], out: TextIO = sys.stdout,
     tag = check_name(req.tag or f"tune_{matrix.name}", "tag")
     matrix_file = f"matrices/{matrix.name}.yaml" if req.matrix in shipped_matrices() else req.matrix
     root = RunRoot.create(req.results_dir, tag, matrix=matrix.name, matrix_file=matrix_file, seed=req.seed,
-                          steps=req.steps, cases=[], command=argv, runner=profile.name)
+                          steps=req.steps, cases=[], command=argv, runner=profile.name,
+                          **profile.recorded_environment())
     print(f"[tune] run root {root.path} ({len(cases)} cases)", file=out, flush=True)
     describe_device_defaults(cases, out)
     tuner = _Tuner(req=req, root=root, profile=profile, tunes=[case_space(c, budget_gb, on_cuda, int(device_gb * GIB))

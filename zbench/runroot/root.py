@@ -74,11 +74,15 @@ class RunRoot:
         runner: str = "local",
         environment: Mapping[str, Any] | None = None,
         models: Mapping[str, Any] | None = None,
+        variables: Mapping[str, str] | None = None,
+        variables_reach: str = "the cases' processes and their private Ray's workers",
     ) -> RunRoot:
         """Create ``<results_dir>/<tag>_<YYYYmmdd_HHMMSS>/`` with its manifest and one directory per case.
 
         ``environment`` defaults to ``collect_environment()``; ``command`` to ``sys.argv``; ``models`` says which
-        weights each model.path of the cases names (`zbench.models.describe_model`).
+        weights each model.path of the cases names (`zbench.models.describe_model`). ``variables``: the recorded
+        environment variables the cases start with (default: the environment's, i.e. this process's); and
+        ``variables_reach``, which processes have them (on a Ray cluster, the workers have their nodes' own).
         """
         validate_name(tag, "tag")
         names = [validate_name(c.name, "case name") for c in cases]
@@ -115,8 +119,9 @@ class RunRoot:
             "gpus": env.get("gpus", []),
             "host": env.get("host", socket.gethostname()),
             "cpu": env.get("cpu"),  # a host-bound phase (vLLM's decode loop) moves with it
-            # what the cases inherit from the harness's environment that changes how they run (zbench.env)
-            "variables": env.get("variables", {}),
+            # what changes how the cases run in the environment they start with (zbench.env.recorded_variables)
+            "variables": dict(variables) if variables is not None else env.get("variables", {}),
+            "variables_reach": variables_reach,
             "runner": runner,
             "models": dict(models or {}),
             "started_at": utc_now(),
