@@ -418,6 +418,7 @@ class LaunchOptions:
     kill_grace_s: float = 10.0  # SIGTERM → SIGKILL delay when stopping a case
     poll_s: float = 0.5  # watchdog and progress poll interval
     before_attempt: Callable[[], None] | None = None  # called before each attempt (a trial session's server)
+    on_locked: Callable[[], None] | None = None  # called once the run root's lock is held (resume's record)
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -542,6 +543,8 @@ def run_cases(
     try:
         with run_root.lock("run"):
             try:
+                if options.on_locked is not None:
+                    options.on_locked()
                 same_config = _write_configs(run_root, cases)
                 for name, cfg in cases:
                     if stop.is_set():

@@ -3,6 +3,7 @@ run every case as its own process, and leave summary.tsv behind. The CLI's `run`
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,23 +101,26 @@ def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | 
                out: TextIO = sys.stdout) -> tuple[RunRoot, list[dict]]:
     """Continue a run root: completed cases are kept, the others run again (from their checkpoint if any)."""
     root = RunRoot.open(path)
-    manifest = root.manifest
-    profile = load_runner_profile(runner or manifest.get("runner") or "local")
+    profile = load_runner_profile(runner or root.manifest.get("runner") or "local")
     cases = root.case_configs()
     prepare_models({cfg.model.path for _, cfg in cases}, out)
     options = options_for_profile(profile, case_timeout_s=case_timeout_s, step_timeout_s=step_timeout_s,
                                   retries=retries)
     print(f"[zbench] resuming {root.path}", file=out, flush=True)
-    now = profile.recorded_environment()
-    if "variables" in manifest and now["variables"] != manifest["variables"]:
-        # the resumed cases run in another environment than the first ones: say so, and keep both on record
-        old, new = manifest["variables"], now["variables"]
-        changed = [f"{k}={old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in sorted(set(old) | set(new))
-                   if old.get(k) != new.get(k)]
-        print(f"[zbench] warning: this resume's environment differs from the run's: {', '.join(changed)}; "
-              "manifest.json keeps both (resumes)", file=out, flush=True)
-    root.update_manifest(resumes=[*manifest.get("resumes", []), {"at": utc_now(), "runner": profile.name, **now}])
-    return root, _launch(root, cases, options, out)
+
+    def record_environment() -> None:
+        """Once the run is this process's (its lock held): the resume's environment beside the run's, in the
+        manifest, and a warning where they differ, as the resumed cases then run in another."""
+        now, manifest = profile.recorded_environment(), root.manifest
+        if "variables" in manifest and now["variables"] != manifest["variables"]:
+            old, new = manifest["variables"], now["variables"]
+            changed = [f"{k}={old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
+                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            print(f"[zbench] warning: this resume's environment differs from the run's: {', '.join(changed)}; "
+                  "manifest.json keeps both (resumes)", file=out, flush=True)
+        root.update_manifest(resumes=[*manifest.get("resumes", []), {"at": utc_now(), "runner": profile.name, **now}])
+
+    return root, _launch(root, cases, dataclasses.replace(options, on_locked=record_environment), out)
 
 
 def exit_code(statuses: list[dict]) -> int:
