@@ -273,6 +273,8 @@ def test_recorded_variables_name_what_changes_a_run(tmp_path: Path, monkeypatch:
         "CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG_FILE": env.HIDDEN_VALUE, "OMP_PROC_BIND": "close",
         "RAY_AUTH_MODE": "off", "RAY_REDIS_ADDRESS": env.HIDDEN_VALUE, "RAY_worker_niceness": "15",
         "TORCHINDUCTOR_CACHE_DIR": env.HIDDEN_VALUE, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert env.changed_variables({"A": "1", "B": "2"}, {"B": "3", "C": "4"}) == [
+        ("A", "1", env.UNSET), ("B", "2", "3"), ("C", env.UNSET, "4")]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
     manifest = RunRoot.create(tmp_path / "results", "t", matrix="m", matrix_file=None, seed=1, steps=1,

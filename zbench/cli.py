@@ -123,7 +123,8 @@ def keys(markdown: Annotated[bool, typer.Option(help="Print the Markdown table o
 @app.command()
 def env(ray_address: Annotated[str | None, typer.Option(help="Also report this Ray cluster's status.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """Versions, GPUs, CPU, DeepSpeed op compatibility and Ray status: what a bug report needs."""
+    """Versions, GPUs, CPU, the environment variables a run records, DeepSpeed op compatibility and Ray status:
+    what a bug report needs."""
     from zbench.env import environment_report
 
     report = environment_report(ray_address)

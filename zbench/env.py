@@ -31,6 +31,10 @@ SET_BY_ZBENCH = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", 
 _SECRET_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL",
                            "CREDENTIALS"})
 HIDDEN_VALUE = "(a path or an address, not recorded)"
+UNSET = "(unset)"
+# which processes a run's recorded variables reach (the manifest's `variables_reach`)
+REACH_PRIVATE_RAY = "the cases' processes and their private Ray's workers"
+REACH_CLUSTER = "the cases' drivers only: the Ray cluster's workers have their nodes' environment"
 
 
 def package_version(package: str) -> str | None:
@@ -127,6 +131,12 @@ def recorded_variables(environ: Mapping[str, str] | None = None) -> dict[str, st
         value = env[name]
         out[name] = HIDDEN_VALUE if "/" in value or "@" in value or value.startswith("~") else value
     return out
+
+
+def changed_variables(old: Mapping[str, str], new: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """(name, old value, new value) of each recorded variable two environments set differently, by name; a
+    variable one of them lacks is `UNSET` there."""
+    return [(k, old.get(k, UNSET), new.get(k, UNSET)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 def collect_environment(probe_torch: bool = False) -> dict[str, Any]:

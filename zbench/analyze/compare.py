@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from zbench.env import changed_variables
 from zbench.runroot.read import SUMMARY_COLUMNS, RunRootError, load_spec, read_summary
 
 # verl metric names accepted in --fail-on, and the summary column each one is summarised into.
@@ -128,9 +129,8 @@ def environment_differences(base: dict, new: dict) -> list[str]:
     if old_cpu and new_cpu and old_cpu != new_cpu:
         out.append(f"CPU: {old_cpu} in BASE, {new_cpu} in NEW")
     if both("variables"):
-        old_e, new_e = base["variables"] or {}, new["variables"] or {}
-        out += [f"{k}={old_e.get(k, '(unset)')} in BASE, {new_e.get(k, '(unset)')} in NEW"
-                for k in sorted(set(old_e) | set(new_e)) if old_e.get(k) != new_e.get(k)]
+        out += [f"{k}={a} in BASE, {b} in NEW"
+                for k, a, b in changed_variables(base["variables"] or {}, new["variables"] or {})]
     else:
         for side, m in (("BASE", base), ("NEW", new)):
             if m.get("variables"):

@@ -19,6 +19,7 @@ import pandas as pd
 from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
+from zbench.env import REACH_CLUSTER
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
 from zbench.runroot.memory_figures import ALLOCATED, DEVICE, GEN, HOST, RESERVED, TRAIN, MemoryFigure, leading
 from zbench.runroot.read import (
@@ -66,8 +67,8 @@ def environment_lines(manifest: dict) -> list[str]:
                       f"{manifest.get('steps', '?')} steps",
                       f"{manifest.get('started_at', '?')} → {manifest.get('ended_at', '?')}"])
     variables = manifest.get("variables") or {}
-    reach = str(manifest.get("variables_reach") or "")
-    where = f" ({reach})" if "cluster" in reach else ""  # on a Ray cluster, the workers have their nodes' own
+    reach = manifest.get("variables_reach")
+    where = f" ({reach})" if reach == REACH_CLUSTER else ""  # on a Ray cluster, the workers have their nodes' own
     return [soft, run, *([f"variables{where}: " + " · ".join(f"{k}={v}" for k, v in variables.items())]
                          if variables else [])]
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from zbench import shipped_specs
-from zbench.env import recorded_variables
+from zbench.env import REACH_CLUSTER, REACH_PRIVATE_RAY, recorded_variables
 
 _ADDRESS_RE = re.compile(r"auto|ray://[\w.\-]+:\d+|[\w.\-]+:\d+")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -64,9 +64,8 @@ class RunnerProfile:
         """The manifest's record of the environment the cases start with (this process's, with the profile's `env`
         on top; `zbench.env.recorded_variables`) and of which processes it reaches: on a Ray cluster, the
         workers take their nodes' environment, not the case's."""
-        reach = ("the cases' drivers only: the Ray cluster's workers have their nodes' environment"
-                 if self.ray_address else "the cases' processes and their private Ray's workers")
-        return {"variables": recorded_variables({**os.environ, **self.case_env()}), "variables_reach": reach}
+        return {"variables": recorded_variables({**os.environ, **self.case_env()}),
+                "variables_reach": REACH_CLUSTER if self.ray_address else REACH_PRIVATE_RAY}
 
     def command(self) -> tuple[str, ...]:
         """The argv prefix that starts the engine; the case dir is appended per case."""

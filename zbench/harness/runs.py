@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zbench.config import RunConfig
+from zbench.env import changed_variables
 from zbench.harness.launch import LaunchOptions, options_for_profile, run_cases
 from zbench.harness.matrix import Case, check_name, expand, load_matrix, shipped_matrices
 from zbench.harness.progress import make_progress
@@ -112,12 +113,11 @@ def resume_run(path: str, *, runner: str | None = None, case_timeout_s: float | 
         """Once the run is this process's (its lock held): the resume's environment beside the run's, in the
         manifest, and a warning where they differ, as the resumed cases then run in another."""
         now, manifest = profile.recorded_environment(), root.manifest
-        if "variables" in manifest and now["variables"] != manifest["variables"]:
-            old, new = manifest["variables"], now["variables"]
-            changed = [f"{k}={old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
-                       for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-            print(f"[zbench] warning: this resume's environment differs from the run's: {', '.join(changed)}; "
-                  "manifest.json keeps both (resumes)", file=out, flush=True)
+        changed = changed_variables(manifest["variables"], now["variables"]) if "variables" in manifest else []
+        if changed:
+            print("[zbench] warning: this resume's environment differs from the run's: "
+                  f"{', '.join(f'{k}={a} -> {b}' for k, a, b in changed)}; manifest.json keeps both (resumes)",
+                  file=out, flush=True)
         root.update_manifest(resumes=[*manifest.get("resumes", []), {"at": utc_now(), "runner": profile.name, **now}])
 
     return root, _launch(root, cases, dataclasses.replace(options, on_locked=record_environment), out)

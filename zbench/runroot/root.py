@@ -23,7 +23,7 @@ import psutil
 
 import zbench
 from zbench.config import ConfigError, RunConfig, load_case_config
-from zbench.env import collect_environment
+from zbench.env import REACH_PRIVATE_RAY, collect_environment
 from zbench.runroot.casedir import (
     CONFIG,
     FILE_MODE,
@@ -75,7 +75,7 @@ class RunRoot:
         environment: Mapping[str, Any] | None = None,
         models: Mapping[str, Any] | None = None,
         variables: Mapping[str, str] | None = None,
-        variables_reach: str = "the cases' processes and their private Ray's workers",
+        variables_reach: str = REACH_PRIVATE_RAY,
     ) -> RunRoot:
         """Create ``<results_dir>/<tag>_<YYYYmmdd_HHMMSS>/`` with its manifest and one directory per case.
 
