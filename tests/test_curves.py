@@ -171,3 +171,15 @@ def test_report_gives_the_phase_bars_as_numbers_and_the_rollout_engines_spread(t
     row = next(line for line in section.splitlines() if line.startswith(f"| {SIX_CASES[1].name} |"))
     assert "not recorded" in row and "| – |" in row
     assert "1.4 (1.2–1.9), 4 steps" in section and "1.4 (1.2–1.9), 4 steps" in (root / "report.html").read_text()
+
+
+def test_report_gives_one_steady_step_of_the_rollout_engine_without_a_range(tmp_path: Path) -> None:
+    """A case cut short after its first steady step (an interrupted run) has one rollout engine time: the table gives
+    it as one step, not as a median with a range of one value."""
+    root = make_run_root(tmp_path, SIX_CASES[:1], steps=2)
+    metrics = root / SIX_CASES[0].name / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "perf/rollout_engine_s": 40.0 if r["step"] == 1 else 1.89}) + "\n"
+                               for r in rows))
+    table = phase_table(load_run_root(root), load_spec("report")).set_index("case")
+    assert table.loc[SIX_CASES[0].name, ENGINE_COLUMN] == "1.89, 1 step"

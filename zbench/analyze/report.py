@@ -160,7 +160,9 @@ def phase_table(run: RunRoot, spec: dict) -> pd.DataFrame:
     for c in run.cases:
         m = read_metrics(c.dir, steady_from=start)
         engine = m[ENGINE_KEY].dropna() if ENGINE_KEY in m.columns else pd.Series(dtype=float)
-        if not engine.empty:
+        if len(engine) == 1:  # one step has no spread
+            spread[c.name] = f"{_fmt(engine.iloc[0])}, 1 step"
+        elif len(engine) > 1:
             spread[c.name] = (f"{_fmt(engine.median())} ({_fmt(engine.min())}–{_fmt(engine.max())}), "
                               f"{len(engine)} steps")
     if spread:
