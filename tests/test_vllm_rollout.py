@@ -20,6 +20,7 @@ from zbench.engine.vllm_rollout import (
     engine_arguments,
     fitted_kv_cache_bytes,
     kv_bytes_per_token,
+    model_runner_of,
     parallel_args,
     select_backend,
     strip_left_padding,
@@ -152,6 +153,19 @@ def test_engine_arguments_a_variant_can_replace() -> None:
     assert variant == {**base, **parallel_args(2), "enable_prefix_caching": False, "block_size": 64}
 
 
+def test_model_runner_recorded_as_vllm_says() -> None:
+    """The runner comes from vLLM's own config property (the GPU test checks a real engine's); a vLLM without it gives
+    None, which the result leaves out rather than guessing."""
+    from types import SimpleNamespace
+
+    def engine(**config: bool) -> SimpleNamespace:
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(**config)))
+
+    assert model_runner_of(engine(use_v2_model_runner=True)) == "v2"
+    assert model_runner_of(engine(use_v2_model_runner=False)) == "v1"
+    assert model_runner_of(engine()) is None and model_runner_of(object()) is None
+
+
 def test_tensor_parallel_engine_arguments_and_config() -> None:
     assert parallel_args(1) == {"tensor_parallel_size": 1}
     tp2 = parallel_args(2)
@@ -204,6 +218,7 @@ def test_grpo_with_vllm_rollout(tmp_path: Path, tp: int) -> None:
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     result = json.loads((case / "result.json").read_text())
     assert result["rollout_backend"] == "vllm" and result["versions"]["vllm"]
+    assert result["vllm_model_runner"] in ("v1", "v2")  # which one vLLM chose, recorded with the case
     last = json.loads((case / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["actor/rollout_logprob_diff/mean"] < 0.05
 

@@ -608,6 +608,7 @@ class Trainer:
                 "trackers": trackers.close(completed),
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
                 "worker_niceness": self.info.get("niceness"),
+                **({"vllm_model_runner": self.info["model_runner"]} if self.info.get("model_runner") else {}),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),
             }

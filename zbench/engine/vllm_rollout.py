@@ -118,6 +118,7 @@ class VLLMRollout:
                                           kv_cache_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
                                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                                           extra=engine_args))
+        self.model_runner = model_runner_of(self.llm)
         self.asleep = False
         self.awake_used_gb = 0.0
         self.seconds: dict[str, float] = {}  # of the last rollout: inside the engine's generate, and its sleep
@@ -199,6 +200,16 @@ class VLLMRollout:
             self._wake_kv_cache()
         self.llm.reset_prefix_cache()
         return pushed
+
+
+def model_runner_of(llm: Any) -> str | None:
+    """Which of vLLM's GPU model runners an engine runs: "v2" (vLLM 0.26's default for Qwen3 and Llama) or "v1"
+    (`VLLM_USE_V2_MODEL_RUNNER=0`, or a feature V2 lacks), or None where this vLLM does not say. They sample
+    differently: at 32 seeded rows per GPU V1 draws one `exponential_` per row and decode step, 0.3 s slower a
+    rollout on an H200 (results/reference/h200x2-v1-runner-20261127)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    use_v2 = getattr(config, "use_v2_model_runner", None)
+    return None if use_v2 is None else ("v2" if use_v2 else "v1")
 
 
 def engine_arguments(model_path: str, *, seed: int, gpu_memory_utilization: float, kv_cache_bytes: int | None,

@@ -519,6 +519,7 @@ class PolicyWorker(_Worker):
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
+                "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
