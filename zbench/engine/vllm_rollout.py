@@ -203,7 +203,7 @@ class VLLMRollout:
 
 
 def model_runner_of(llm: Any) -> str | None:
-    """Which of vLLM's GPU model runners an engine runs: "v2" (vLLM 0.26's default for Qwen3 and Llama) or "v1"
+    """Which of vLLM's GPU model runners an engine runs: "v2" (vLLM 0.26's default for dense, non-hybrid models such as Qwen3) or "v1"
     (`VLLM_USE_V2_MODEL_RUNNER=0`, or a feature V2 lacks), or None where this vLLM does not say. They sample
     differently: at 32 seeded rows per GPU V1 draws one `exponential_` per row and decode step, 0.3 s slower a
     rollout on an H200 (results/reference/h200x2-v1-runner-20261127)."""
