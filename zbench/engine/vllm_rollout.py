@@ -203,10 +203,10 @@ class VLLMRollout:
 
 
 def model_runner_of(llm: Any) -> str | None:
-    """Which of vLLM's GPU model runners an engine runs: "v2" (vLLM 0.26's default for dense, non-hybrid models such as Qwen3) or "v1"
-    (`VLLM_USE_V2_MODEL_RUNNER=0`, or a feature V2 lacks), or None where this vLLM does not say. They sample
-    differently: at 32 seeded rows per GPU V1 draws one `exponential_` per row and decode step, 0.3 s slower a
-    rollout on an H200 (results/reference/h200x2-v1-runner-20261127)."""
+    """Which of vLLM's GPU model runners an engine runs: "v2" (vLLM 0.26's default for dense, non-hybrid models
+    such as Qwen3) or "v1" (`VLLM_USE_V2_MODEL_RUNNER=0`, or a feature V2 lacks), or None where this vLLM does not
+    say. They sample differently: at 32 seeded rows per GPU V1 draws one `exponential_` per row and decode step,
+    0.3 s slower a rollout on an H200 (results/reference/h200x2-v1-runner-20261127)."""
     config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     use_v2 = getattr(config, "use_v2_model_runner", None)
     return None if use_v2 is None else ("v2" if use_v2 else "v1")
