@@ -12,7 +12,14 @@ import torch
 from test_engine_case import make_case, records, train
 
 from zbench.config import ConfigError, from_dict
-from zbench.engine.profiling import StepProfiler, busy_within, phase_profiles, render
+from zbench.engine.profiling import (
+    StepProfiler,
+    busy_within,
+    operator_times,
+    phase_profiles,
+    render,
+    render_operators,
+)
 
 
 def test_busy_within_counts_overlaps_once_and_clips_to_the_window() -> None:
@@ -78,10 +85,15 @@ def test_profile_leaves_no_garbage_to_the_next_step(tmp_path: Path, fails: bool)
 
 
 class _Event:
-    """The four things `phase_profiles` reads from a kineto event."""
+    """What `phase_profiles` and `operator_times` read from a kineto event."""
 
-    def __init__(self, name: str, device: torch.autograd.DeviceType, start: int, end: int, annotation: bool = False):
+    def __init__(self, name: str, device: torch.autograd.DeviceType, start: int, end: int, annotation: bool = False,
+                 thread: int = 1):
         self._name, self._device, self._start, self._end, self._annotation = name, device, start, end, annotation
+        self._thread = thread
+
+    def start_thread_id(self) -> int:
+        return self._thread
 
     def name(self) -> str:
         return self._name
@@ -239,3 +251,50 @@ def test_case_profiles_its_host_per_phase(tmp_path: Path) -> None:
     assert re.search(r"\[profile\] step 2 PolicyWorker rank 1 gen: wall [0-9.]+ ms under cProfile, most own time: "
                      r"\S", log), log[-3000:]
     assert [r["step"] for r in records(case) if r.get("perf/profiled")] == [2]
+
+
+def test_operator_times_give_device_time_and_cpu_self_time() -> None:
+    """Device ops add up by name; a CPU operator's self time leaves out the operators it called on its own thread
+    (not another thread's, not past its own end); phase labels are not operators."""
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [
+        _Event("zbench/gen", cpu, 0, 100, annotation=True),
+        _Event("aten::linear", cpu, 0, 50),
+        _Event("aten::mm", cpu, 10, 30),  # inside linear
+        _Event("cudaLaunchKernel", cpu, 12, 14),  # inside mm
+        _Event("aten::mm", cpu, 35, 45),  # inside linear, after the first
+        _Event("aten::mm", cpu, 20, 60, thread=2),  # another thread: its own, not linear's
+        _Event("aten::add", cpu, 60, 70),  # after linear: a top-level operator
+        _Event("gemm_kernel", gpu, 15, 40),
+        _Event("gemm_kernel", gpu, 40, 45),
+        _Event("memcpy", gpu, 50, 52),
+        _Event("zbench/gen", gpu, 0, 100, annotation=True),
+    ]
+    device, host = operator_times(events)
+    assert [(o.name, o.calls, o.ns) for o in device] == [("gemm_kernel", 2, 30), ("memcpy", 1, 2)]
+    assert {o.name: (o.calls, o.ns) for o in host} == {
+        "aten::mm": (3, 18 + 10 + 40), "aten::linear": (1, 50 - 20 - 10), "aten::add": (1, 10),
+        "cudaLaunchKernel": (1, 2)}
+    text = render_operators(device, host, top=1)
+    assert "by device time: 0.0 ms in all, 2 kinds" in text
+    assert text.splitlines()[2].endswith("gemm_kernel") and "memcpy" not in text  # top 1 of each
+    assert text.splitlines()[-1].endswith("aten::mm")
+    assert "device ops" not in render_operators([], host, top=5)  # a CPU profile has no device table
+
+
+def test_operator_times_match_torch_key_averages_on_a_real_profile() -> None:
+    """On a real torch.profiler profile, the calls and self CPU time per operator are key_averages' own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w = torch.ones(4), torch.randn(32, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(200):
+            x = x + 1
+        torch.nn.functional.linear(torch.randn(8, 32), w)
+    _device, host = operator_times(list(prof.profiler.kineto_results.events()))
+    ours = {o.name: (o.calls, o.ns / 1e3) for o in host}
+    theirs = {k.key: (k.count, k.self_cpu_time_total) for k in prof.key_averages()}
+    assert ours.keys() == theirs.keys() and "aten::add" in ours and "aten::linear" in ours
+    for name, (calls, self_us) in theirs.items():
+        assert ours[name][0] == calls, name
+        assert ours[name][1] == pytest.approx(self_us, abs=0.01), name
