@@ -88,12 +88,18 @@ class _Event:
     """What `phase_profiles` and `operator_times` read from a kineto event."""
 
     def __init__(self, name: str, device: torch.autograd.DeviceType, start: int, end: int, annotation: bool = False,
-                 thread: int = 1):
+                 thread: int = 1, is_async: bool = False):
         self._name, self._device, self._start, self._end, self._annotation = name, device, start, end, annotation
-        self._thread = thread
+        self._thread, self._async = thread, is_async
 
     def start_thread_id(self) -> int:
         return self._thread
+
+    def end_thread_id(self) -> int:
+        return self._thread
+
+    def is_async(self) -> bool:
+        return self._async
 
     def name(self) -> str:
         return self._name
@@ -254,47 +260,61 @@ def test_case_profiles_its_host_per_phase(tmp_path: Path) -> None:
 
 
 def test_operator_times_give_device_time_and_cpu_self_time() -> None:
-    """Device ops add up by name; a CPU operator's self time leaves out the operators it called on its own thread
-    (not another thread's, not past its own end); phase labels are not operators."""
+    """Device ops add up by name; a CPU operator's self time leaves out the operators wholly inside it on its own
+    thread (not another thread's, not one that starts at its end or outlasts it); an operator whose one child has
+    its name is one call; an asynchronous one has no self time; a phase label is a CPU operator, its copy on the
+    device's timeline no device op."""
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     events = [
-        _Event("zbench/gen", cpu, 0, 100, annotation=True),
+        _Event("zbench/gen", cpu, 0, 200, annotation=True),
         _Event("aten::linear", cpu, 0, 50),
         _Event("aten::mm", cpu, 10, 30),  # inside linear
         _Event("cudaLaunchKernel", cpu, 12, 14),  # inside mm
         _Event("aten::mm", cpu, 35, 45),  # inside linear, after the first
         _Event("aten::mm", cpu, 20, 60, thread=2),  # another thread: its own, not linear's
-        _Event("aten::add", cpu, 60, 70),  # after linear: a top-level operator
+        _Event("aten::add", cpu, 50, 70),  # starts at linear's end: not its child
+        _Event("aten::copy_", cpu, 65, 90),  # outlasts add: not its child, gen's
+        _Event("aten::mean", cpu, 100, 120),
+        _Event("aten::mean", cpu, 101, 119),  # autograd's second record of the same call
+        _Event("aten::sum", cpu, 102, 110),
+        _Event("aten::to", cpu, 130, 190, is_async=True),  # no self time, nothing inside it
+        _Event("aten::empty", cpu, 140, 150),
         _Event("gemm_kernel", gpu, 15, 40),
         _Event("gemm_kernel", gpu, 40, 45),
         _Event("memcpy", gpu, 50, 52),
-        _Event("zbench/gen", gpu, 0, 100, annotation=True),
+        _Event("zbench/gen", gpu, 0, 200, annotation=True),
     ]
     device, host = operator_times(events)
     assert [(o.name, o.calls, o.ns) for o in device] == [("gemm_kernel", 2, 30), ("memcpy", 1, 2)]
     assert {o.name: (o.calls, o.ns) for o in host} == {
-        "aten::mm": (3, 18 + 10 + 40), "aten::linear": (1, 50 - 20 - 10), "aten::add": (1, 10),
-        "cudaLaunchKernel": (1, 2)}
+        "aten::mm": (3, 18 + 10 + 40), "aten::linear": (1, 50 - 20 - 10), "aten::add": (1, 20),
+        "aten::copy_": (1, 25), "cudaLaunchKernel": (1, 2), "aten::mean": (1, 2 + 18 - 8), "aten::sum": (1, 8),
+        "aten::to": (1, 0), "aten::empty": (1, 10),
+        "zbench/gen": (1, 200 - 50 - 20 - 25 - 20 - 10)}
     text = render_operators(device, host, top=1)
     assert "by device time: 0.0 ms in all, 2 kinds" in text
     assert text.splitlines()[2].endswith("gemm_kernel") and "memcpy" not in text  # top 1 of each
-    assert text.splitlines()[-1].endswith("aten::mm")
+    assert text.splitlines()[-1].endswith("zbench/gen")
     assert "device ops" not in render_operators([], host, top=5)  # a CPU profile has no device table
 
 
 def test_operator_times_match_torch_key_averages_on_a_real_profile() -> None:
     """On a real torch.profiler profile, the calls and self CPU time per operator are key_averages' own."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    x, w = torch.ones(4), torch.randn(32, 32)
+    x, w = torch.ones(4), torch.randn(32, 32, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(200):
-            x = x + 1
-        torch.nn.functional.linear(torch.randn(8, 32), w)
+        with record_function("zbench/gen"):
+            for _ in range(200):
+                x = x + 1
+        with record_function("zbench/update_actor"):
+            for _ in range(3):  # autograd records some operators twice (aten::mean in aten::mean)
+                (torch.nn.functional.linear(torch.randn(8, 32), w).mean() / 2).backward()
     _device, host = operator_times(list(prof.profiler.kineto_results.events()))
     ours = {o.name: (o.calls, o.ns / 1e3) for o in host}
     theirs = {k.key: (k.count, k.self_cpu_time_total) for k in prof.key_averages()}
-    assert ours.keys() == theirs.keys() and "aten::add" in ours and "aten::linear" in ours
+    assert ours.keys() == theirs.keys()
+    assert {"aten::add", "aten::linear", "aten::mean", "zbench/gen"} <= ours.keys()
     for name, (calls, self_us) in theirs.items():
         assert ours[name][0] == calls, name
         assert ours[name][1] == pytest.approx(self_us, abs=0.01), name

@@ -155,37 +155,49 @@ class OperatorTime:
 
 
 def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[OperatorTime]]:
-    """The device ops by device time, and the CPU operators by self time (less that of the operators they called on
-    the same thread), each most first, from kineto events in one pass. torch's `key_averages` gives these sums too,
-    but builds a Python object per event first: 71 s for 500,000 CPU events on a 2-core CPU, where a GPU step with a
-    vLLM rollout holds about 200,000 device ops a rank (results/reference/h200x2-v1-runner-20261127: its profile
-    took about 50 s to write). Phase labels are left out: the phase lines give them."""
+    """The device ops by device time, and the CPU operators by self time, each most first, from kineto events in one
+    pass, counted as torch's `key_averages` counts them. torch builds a Python object per event first: 29-71 s for
+    500,000 CPU events on a 2-core CPU, where a GPU step with a vLLM rollout holds about 200,000 device ops a rank
+    (results/reference/h200x2-v1-runner-20261127: that profile took about 47 s to write); this takes about 1 s.
+
+    As there: an operator's self time is its span less its direct children's on its thread, where a child lies
+    wholly inside it (one that outlasts it is not its child); an operator whose one child has its own name (autograd
+    records some twice, `aten::mean` in `aten::mean`) is one call; an asynchronous operator has no self time and no
+    children. `record_function` ranges are CPU operators too, so a phase label (`zbench/gen`) shows the phase's time
+    outside any operator (its Python); their copies on the device's timeline are not device ops."""
     device: dict[str, list[int]] = {}
     threads: dict[int, list[tuple[int, int, str]]] = {}
-    for e in events:
-        if e.is_user_annotation():
-            continue
-        if e.device_type() == torch.autograd.DeviceType.CPU:
-            threads.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), e.name()))
-        else:
-            row = device.setdefault(e.name(), [0, 0])
-            row[0] += 1
-            row[1] += e.end_ns() - e.start_ns()
     cpu: dict[str, list[int]] = {}
+    for e in events:
+        name = e.name()
+        if e.device_type() != torch.autograd.DeviceType.CPU:
+            if not e.is_user_annotation():
+                row = device.setdefault(name, [0, 0])
+                row[0] += 1
+                row[1] += e.end_ns() - e.start_ns()
+        elif e.is_async() or e.start_thread_id() != e.end_thread_id():
+            cpu.setdefault(name, [0, 0])[0] += 1
+        else:
+            threads.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), name))
     for spans in threads.values():
         spans.sort(key=lambda span: (span[0], -span[1]))  # an operator before those it called
         own = [end - start for start, end, _ in spans]
-        enclosing: list[tuple[int, int]] = []  # (end, index) of the operators still open
+        parent = [-1] * len(spans)
+        children = [0] * len(spans)
+        enclosing: list[int] = []  # the operators still open, innermost last
         for i, (start, end, _name) in enumerate(spans):
-            while enclosing and enclosing[-1][0] <= start:
+            while enclosing and (start >= spans[enclosing[-1]][1] or end > spans[enclosing[-1]][1]):
                 enclosing.pop()
             if enclosing:
-                own[enclosing[-1][1]] -= end - start
-            enclosing.append((end, i))
-        for (_start, _end, name), ns in zip(spans, own, strict=True):
+                parent[i] = enclosing[-1]
+                own[parent[i]] -= end - start
+                children[parent[i]] += 1
+            enclosing.append(i)
+        for i, (_start, _end, name) in enumerate(spans):
             row = cpu.setdefault(name, [0, 0])
-            row[0] += 1
-            row[1] += max(ns, 0)  # an operator outlasting its caller (asynchronous) takes none of the caller's
+            p = parent[i]
+            row[0] += 0 if p >= 0 and children[p] == 1 and spans[p][2] == name else 1
+            row[1] += max(own[i], 0)  # children that overlap each other can add up to more than their parent
 
     def ranked(rows: dict[str, list[int]]) -> list[OperatorTime]:
         return sorted((OperatorTime(name, calls, ns) for name, (calls, ns) in rows.items()), key=lambda o: -o.ns)
