@@ -156,7 +156,7 @@ class OperatorTime:
 
 def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[OperatorTime]]:
     """The device ops by device time, and the CPU operators by self time, each most first, from kineto events in one
-    pass, counted as torch's `key_averages` counts them. torch builds a Python object per event first: 29-71 s for
+    pass, counted as torch's `key_averages` counts them. torch builds a Python object per event first: 20-71 s for
     500,000 CPU events on a 2-core CPU, where a GPU step with a vLLM rollout holds about 200,000 device ops a rank
     (results/reference/h200x2-v1-runner-20261127: that profile took about 47 s to write); this takes about 1 s.
 
