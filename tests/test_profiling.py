@@ -55,11 +55,15 @@ def test_profiler_labels_phases_and_writes_its_files(tmp_path: Path) -> None:
     assert not (tmp_path / "step3-actor-rank0.json").exists()
 
 
+PROFILER_MODULES = ("torch.profiler", "torch.autograd.profiler", "torch._C._profiler", "torch._C._autograd")
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_profile_leaves_no_garbage_to_the_next_step(tmp_path: Path, fails: bool) -> None:
-    """torch.profiler's events form reference cycles: they are collected when the profile stops, inside the
-    profiled step, not in a later step's pauses; also when writing the profile fails (a file where its folder
-    should be), whose traceback would otherwise hold them past the collection."""
+    """torch.profiler's profile sits in reference cycles, holding every event it recorded: it is collected when the
+    profile stops, not in a later step's pauses; also when writing the profile fails (a file where its folder
+    should be), whose traceback would otherwise hold it past the collection. Only the profiler's objects count:
+    other garbage can turn up meanwhile (the graphs of an earlier test's torch.compile, released late)."""
     import gc
 
     gc.collect()  # what earlier tests left
@@ -79,9 +83,14 @@ def test_profile_leaves_no_garbage_to_the_next_step(tmp_path: Path, fails: bool)
                 prof.stop(out, "step1-actor-rank0", "title")
         else:
             prof.stop(out, "step1-actor-rank0", "title")
-        assert gc.collect() == 0  # nothing unreachable left behind
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what is unreachable now stays in gc.garbage, to be looked at
+        gc.collect()
+        left = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith(PROFILER_MODULES)})
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         gc.enable()
+    assert left == []  # without the collection: profile, _ProfilerStats, ... (the profile and what it holds)
 
 
 class _Event:
@@ -314,7 +323,7 @@ def test_operator_times_match_torch_key_averages_on_a_real_profile() -> None:
     ours = {o.name: (o.calls, o.ns / 1e3) for o in host}
     theirs = {k.key: (k.count, k.self_cpu_time_total) for k in prof.key_averages()}
     assert ours.keys() == theirs.keys()
-    assert {"aten::add", "aten::linear", "aten::mean", "zbench/gen"} <= ours.keys()
+    assert {"aten::add", "aten::mean", "zbench/gen", "zbench/update_actor"} <= ours.keys()
     for name, (calls, self_us) in theirs.items():
         assert ours[name][0] == calls, name
         assert ours[name][1] == pytest.approx(self_us, abs=0.01), name

@@ -270,10 +270,11 @@ class StepProfiler:
 
         Before returning, and before a failure propagates, the cyclic garbage the profile leaves is collected: the
         pause falls between the profiled step's timer and the next step, in the profiled step's record
-        (`perf/gc_pause_s`). torch.profiler's events form reference cycles (about 130,000 objects for a few thousand
-        CPU ops); left to the collector, a GPU step's profile cost the next, unprofiled step a 1.9-2.7 s pause
-        (results/reference/h200x2-trainer-rollout-20261127; with the collection here, 0.005 s in
-        h200x2-v1-runner-20261127). A failure's traceback keeps its lines but lets go of the frames' locals (the
+        (`perf/gc_pause_s`). torch.profiler's profile sits in reference cycles, and holds every event it recorded.
+        When the operator tables came from torch's `key_averages`, its event objects added about 130,000 more for
+        a few thousand CPU ops. Left to the collector, a GPU step's profile cost the next, unprofiled step a
+        1.9-2.7 s pause (results/reference/h200x2-trainer-rollout-20261127); with the collection here, 0.005 s
+        (h200x2-v1-runner-20261127). A failure's traceback keeps its lines but lets go of the frames' locals (the
         profile), or they would outlive this collection."""
         try:
             return self._write(out_dir, stem, title)
