@@ -9,8 +9,8 @@ a trainer's rank: `"nice": N` runs it at that niceness (Ray raises its workers' 
 `RAY_worker_niceness`), and `"cycle": true` puts the engine to sleep after each rollout and pushes the checkpoint's
 weights into it before the next, as the trainer does (the push wakes it; it is not timed, as the trainer times it
 apart; a rollout's time then includes the sleep, as the trainer's gen phase does). `"env": {...}` sets environment
-variables before vLLM is imported (torch already is), e.g. `{"VLLM_USE_V2_MODEL_RUNNER": "0"}` for vLLM's V1 model runner (vLLM 0.26
-runs Qwen3 on its V2 runner, whose input preparation launches Triton kernels from Python at every decode step).
+variables before vLLM is imported (torch already is), e.g. `{"VLLM_USE_V2_MODEL_RUNNER": "0"}` for vLLM's V1 model
+runner (vLLM 0.26 runs Qwen3 on its V2 runner; V1 was slower at 32 rows, results/reference/h200x2-v1-runner-20261127).
 GSM8K prompts are repeated `--n` times, as GRPO samples them. Measured:
 
 - `generate`: median of `--repeats` timed rollouts after one warm-up, with per-request seeds (what zbench sends,

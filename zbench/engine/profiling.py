@@ -158,7 +158,7 @@ def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[Operator
     """The device ops by device time, and the CPU operators by self time, each most first, from kineto events in one
     pass, counted as torch's `key_averages` counts them. torch builds a Python object per event first: 20-71 s for
     500,000 CPU events on a 2-core CPU, where a GPU step with a vLLM rollout holds about 200,000 device ops a rank
-    (results/reference/h200x2-v1-runner-20261127: that profile took about 47 s to write); this takes about 1 s.
+    (results/reference/h200x2-v1-runner-20261127: that profile took about 47 s to write); this took 1.2-1.3 s there.
 
     As there: an operator's self time is its span less its direct children's on its thread, where a child lies
     wholly inside it (one that outlasts it is not its child); an operator whose one child has its own name (autograd
@@ -196,7 +196,8 @@ def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[Operator
         for i, (_start, _end, name) in enumerate(spans):
             row = cpu.setdefault(name, [0, 0])
             p = parent[i]
-            row[0] += 0 if p >= 0 and children[p] == 1 and spans[p][2] == name else 1
+            if not (p >= 0 and children[p] == 1 and spans[p][2] == name):  # else its parent's call, recorded twice
+                row[0] += 1
             row[1] += max(own[i], 0)  # children that overlap each other can add up to more than their parent
 
     def ranked(rows: dict[str, list[int]]) -> list[OperatorTime]:
