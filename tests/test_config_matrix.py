@@ -153,6 +153,20 @@ def test_adv_estimator_decides_the_critic() -> None:
         from_dict({"algo": {"adv_estimator": "vtrace"}})
 
 
+def test_decode_attention_belongs_to_the_graph_loop() -> None:
+    """`rollout.decode_attention` chooses the hf graph loop's attention: named elsewhere it is an error, not a no-op."""
+    graph = {"backend": "hf", "cuda_graph": True}
+    assert from_dict({"rollout": graph | {"decode_attention": "sdpa"}}).rollout.decode_attention == "sdpa"
+    assert from_dict({}).rollout.decode_attention == "auto"
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention: 'triton' chooses the attention of the hf "
+                                          r"backend's graph loop: set rollout.cuda_graph=true"):
+        from_dict({"rollout": {"decode_attention": "triton"}})
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention: 'sdpa' chooses"):
+        from_dict({"rollout": {"backend": "vllm", "decode_attention": "sdpa"}})
+    with pytest.raises(ConfigError, match=r"rollout.decode_attention: 'flash' is not one of 'auto', 'triton', 'sdpa'"):
+        from_dict({"rollout": graph | {"decode_attention": "flash"}})
+
+
 def test_set_on_a_key_a_case_name_stands_for_is_refused(tmp_path: Path) -> None:
     """`--set zero.stage=3` on six-case would run six stage-3 cases named zero1_…, zero2_…: refused, naming the
     axis and the --cases glob that picks the cases already at that value; the same key on the chosen cases only

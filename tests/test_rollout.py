@@ -14,6 +14,7 @@ from zbench.engine.rollout import (
     GraphDecoder,
     HFRollout,
     gqa_decode_attention,
+    resolve_decode_attention,
     response_mask_from,
     sample_tokens,
     use_gqa_decode_attention,
@@ -163,3 +164,39 @@ def test_gqa_decode_attention_falls_back_to_sdpa_for_a_position_bias(tiny):
                                      position_bias=torch.zeros(3, heads, 1, 9))
     assert biased.shape == folded.shape == (3, 1, heads, dim)
     assert torch.allclose(biased, folded, atol=1e-6)
+
+
+def test_the_graph_loop_records_its_attention_and_refuses_triton_where_it_cannot_run(tiny, monkeypatch):
+    """`auto` takes SDPA where Triton's kernels cannot run (here: CPU tensors, no interpreter); asking for them
+    there is an error that says why; the rollout records what its graph loop runs (nothing without one)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model, pad_id, eos_ids = tiny[:3]
+    cpu = torch.device("cpu")
+    assert resolve_decode_attention("auto", cpu) == "sdpa" and resolve_decode_attention("sdpa", cpu) == "sdpa"
+    with pytest.raises(RuntimeError, match=r"rollout.decode_attention=triton: its kernels cannot run here"):
+        resolve_decode_attention("triton", cpu)
+    common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0,
+              "static_cache": False, "device": cpu}
+    assert HFRollout(copy.deepcopy(model), cuda_graph=True, **common).decode_attention == "sdpa"
+    assert HFRollout(copy.deepcopy(model), cuda_graph=False, **common).decode_attention is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
+def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
+    """On CUDA the decode step is compiled and replayed as a CUDA graph with the Triton kernels inside it: its greedy
+    tokens are those of the same loop with SDPA, over left padding and two cache widths (two recordings)."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    ids, mask = input_ids.cuda(), mask.cuda()
+    wide_ids = torch.cat([ids.new_full((ids.shape[0], 7), pad_id), ids], dim=1)
+    wide_mask = torch.cat([mask.new_zeros((mask.shape[0], 7)), mask], dim=1)
+    tokens = {}
+    for attention in ("sdpa", "triton"):
+        decoder = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention)
+        tokens[attention] = [decoder.generate(i, m, **kwargs).cpu() for i, m in ((ids, mask), (wide_ids, wide_mask),
+                                                                                  (ids, mask))]
+    for sdpa, triton in zip(tokens["sdpa"], tokens["triton"], strict=True):
+        assert torch.equal(triton, sdpa)
+    assert torch.equal(tokens["triton"][0], tokens["triton"][1])  # extra left padding changes nothing

@@ -16,12 +16,12 @@ from typing import Any
 
 import zbench
 
-VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm")
+VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm", "triton")
 
 # environment variables that change what a case runs or how fast, recorded with the run: vLLM, NCCL, Ray, CUDA,
-# torch and DeepSpeed settings, thread counts, offline switches (`VLLM_USE_V2_MODEL_RUNNER=0` picks another model
-# runner; `RAY_worker_niceness` the workers' priority)
-RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "DS_", "OMP_",
+# torch, Triton and DeepSpeed settings, thread counts, offline switches (`VLLM_USE_V2_MODEL_RUNNER=0` picks another
+# model runner; `RAY_worker_niceness` the workers' priority; `TRITON_INTERPRET=1` runs Triton kernels interpreted)
+RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_", "DS_", "OMP_",
                               "MKL_", "TOKENIZERS_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # set by zbench itself for the processes that use them, whatever the harness had: the trainer's worker environment
 # (zbench.engine.trainer: threads, tokenizers, the CPU accelerator) and the in-process vLLM engine

@@ -7,7 +7,9 @@ gathered bucket by bucket so that no more than `bucket_mb` of extra memory is ev
 It samples in one of three ways: transformers `generate` with a dynamic cache, the same with a static cache, or
 `GraphDecoder`, zbench's own loop over a static cache whose decode step is captured once as a CUDA graph and
 replayed for every token (no per-token host syncs, no Python between kernels). Its one-token steps attend the
-grouped key/value heads directly (`gqa_decode_attention`) rather than through copies of the whole cache.
+grouped key/value heads directly rather than through copies of the whole cache: with SDPA over the whole static
+cache (`gqa_decode_attention`), or with zbench's Triton kernels, which read only the positions each row attends
+(`gqa_decode_attention_skipping`, `zbench.engine.decode_attention`; `rollout.decode_attention`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 GQA_DECODE = "zbench_gqa_decode"
+GQA_DECODE_SKIPPING = "zbench_gqa_decode_skipping"
+DECODE_ATTENTION = ("sdpa", "triton")  # GraphDecoder's one-token attention: the whole cache, or the masked-in part
 
 
 def response_mask_from(responses: torch.Tensor, eos_ids: list[int], pad_id: int) -> torch.Tensor:
@@ -52,6 +56,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     return (probs / race).argmax(dim=-1)
 
 
+def _one_token_step(module: nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether an attention call is a plain one-token decode step: one query position, inference, and none of a
+    position bias, softcapping or returned attention weights (which only SDPA itself handles)."""
+    # a position bias is a tensor (no truth value); softcap and output_attentions are plain values
+    extra = kwargs.get("position_bias") is not None or bool(kwargs.get("softcap")) or bool(kwargs.get("output_attentions"))
+    return query.shape[2] == 1 and not extra and not module.training
+
+
 def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except for a one-token query under grouped-query attention: its query heads
@@ -61,9 +73,7 @@ def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    # a position bias is a tensor (no truth value); softcap and output_attentions are plain values
-    plain = kwargs.get("position_bias") is not None or bool(kwargs.get("softcap")) or bool(kwargs.get("output_attentions"))
-    if query.shape[2] != 1 or groups == 1 or plain or module.training:
+    if not _one_token_step(module, query, kwargs) or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     batch, heads, _, dim = query.shape
     folded = query.reshape(batch, heads // groups, groups, dim)
@@ -72,14 +82,51 @@ def gqa_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def use_gqa_decode_attention(model: nn.Module) -> None:
-    """Register `gqa_decode_attention` with transformers (masks as for SDPA) and switch `model` to it."""
+def gqa_decode_attention_skipping(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`gqa_decode_attention`, except that a one-token query under a boolean mask runs `decode_attention`'s Triton
+    kernels, which read only the cache positions the mask keeps (SDPA reads the whole static cache every token)."""
+    from zbench.engine.decode_attention import decode_attention
+
+    one_mask_row = (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+                    and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
+    if not _one_token_step(module, query, kwargs) or not one_mask_row or kwargs.get("sliding_window"):
+        return gqa_decode_attention(module, query, key, value, attention_mask, **kwargs)
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scale = kwargs.get("scaling") or dim ** -0.5
+    out = decode_attention(folded, key, value, attention_mask[:, 0, 0, :], float(scale))
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_gqa_decode_attention(model: nn.Module, attention: str = "sdpa") -> None:
+    """Register zbench's decode attentions with transformers (masks as for SDPA) and switch `model` to the one
+    `attention` names: `sdpa` (`gqa_decode_attention`) or `triton` (`gqa_decode_attention_skipping`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(GQA_DECODE, gqa_decode_attention)
-    AttentionMaskInterface.register(GQA_DECODE, sdpa_mask)
-    model.set_attn_implementation(GQA_DECODE)
+    if attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode attention {attention!r}: choose one of {', '.join(DECODE_ATTENTION)}")
+    for name, fn in ((GQA_DECODE, gqa_decode_attention), (GQA_DECODE_SKIPPING, gqa_decode_attention_skipping)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(GQA_DECODE if attention == "sdpa" else GQA_DECODE_SKIPPING)
+
+
+def resolve_decode_attention(asked: str, device: torch.device) -> str:
+    """`rollout.decode_attention` as it will run on `device`: `auto` takes the Triton kernels where they can run,
+    else SDPA; `triton` where they cannot is an error that says why."""
+    from zbench.engine import decode_attention
+
+    runs = decode_attention.available(device)
+    if asked == "auto":
+        return "triton" if runs else "sdpa"
+    if asked == "triton" and not runs:
+        why = "Triton is not installed" if decode_attention.triton is None else f"the rollout runs on {device.type}"
+        raise RuntimeError(f"rollout.decode_attention=triton: its kernels cannot run here ({why}; they need a CUDA "
+                           "device and PyTorch's Triton); use sdpa or auto")
+    return asked
 
 
 class GraphDecoder:
@@ -93,8 +140,9 @@ class GraphDecoder:
     prompt widths to a few buckets (the trainer pads to a multiple of 64) to bound the number of recordings.
     """
 
-    def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64):
-        use_gqa_decode_attention(model)
+    def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa"):
+        use_gqa_decode_attention(model, attention)
+        self.attention = attention
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
@@ -168,7 +216,7 @@ class HFRollout:
 
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
-                 cuda_graph: bool = False, parked: bool = False):
+                 cuda_graph: bool = False, parked: bool = False, decode_attention: str = "auto"):
         self.model = model.eval()
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -179,7 +227,10 @@ class HFRollout:
         # a replica parked on the CPU between rollouts comes back at new addresses every step, which would make
         # the CUDA graph re-record each time: it runs the same loop eagerly instead
         compile_step = device.type == "cuda" and not parked
-        self.graph = GraphDecoder(self.model, compile=compile_step) if cuda_graph else None
+        # the graph loop's attention as it runs (None without the graph loop), for the case's result.json
+        self.decode_attention = resolve_decode_attention(decode_attention, device) if cuda_graph else None
+        self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention)
+                      if self.decode_attention else None)
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
 
     def to(self, device: torch.device | str) -> None:

@@ -520,6 +520,7 @@ class PolicyWorker(_Worker):
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
+                "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
@@ -572,7 +573,8 @@ class PolicyWorker(_Worker):
         replica.to("cpu" if self.park_replica else self.device)
         return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
-                         device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica)
+                         device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
+                         decode_attention=r.decode_attention)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:

@@ -1,0 +1,103 @@
+"""The decode step's Triton attention (`zbench.engine.decode_attention`) against SDPA, on CPU tensors through
+Triton's interpreter: the kernels alone over masks with left padding, holes, an unwritten tail and a row that attends
+nothing; then the whole model's decode logits and `GraphDecoder`'s tokens with the kernels against the SDPA path.
+
+Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a process of their own that sets it first
+(`test_decode_attention.py`); collected anywhere else they skip."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_decode_attention.py",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from test_rollout import _decode_logits, tiny  # noqa: F401  (the same model, prompts and decode helper)
+
+from zbench.engine import decode_attention as da
+from zbench.engine.rollout import (
+    GQA_DECODE_SKIPPING,
+    GraphDecoder,
+    resolve_decode_attention,
+    use_gqa_decode_attention,
+)
+
+
+def test_the_interpreter_runs_the_kernels_on_cpu_tensors():
+    assert da.available(torch.device("cpu"))
+    assert resolve_decode_attention("auto", torch.device("cpu")) == "triton"
+
+
+def _masks(batch: int, length: int, g: torch.Generator) -> torch.Tensor:
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for row in range(batch):
+        start = int(torch.randint(0, length // 3, (), generator=g))
+        end = int(torch.randint(length // 2, length + 1, (), generator=g))
+        mask[row, start:end] = True
+    mask[0, 1] = True  # a kept position inside the padding: a hole, not a range
+    return mask
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "group", "dim", "length"),
+                         [(3, 2, 2, 64, 200), (2, 1, 3, 32, 70), (2, 2, 1, 16, 1100), (1, 1, 4, 16, 7)])
+def test_kernels_equal_sdpa(batch, kv_heads, group, dim, length):
+    g = torch.Generator().manual_seed(batch * length)
+    q = torch.randn(batch, kv_heads, group, dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = _masks(batch, length, g)
+    got = da.decode_attention(q, k, v, mask, dim ** -0.5)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=dim ** -0.5)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    # positions the mask leaves out are never read: garbage there changes nothing
+    k2, v2 = k.masked_fill(~mask[:, None, :, None], float("nan")), v.masked_fill(~mask[:, None, :, None], 1e30)
+    assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5), got)
+
+
+def test_a_row_that_attends_nothing_gets_zeros():
+    q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16), torch.randn(2, 1, 40, 16)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[1, 3:9] = True
+    out = da.decode_attention(q, k, v, mask, 0.25)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    expected = F.scaled_dot_product_attention(q[1:], k[1:], v[1:], attn_mask=mask[1:, None, None, :], scale=0.25)
+    assert torch.allclose(out[1:], expected, atol=1e-5)
+
+
+def test_slices_cover_the_cache():
+    for length in (1, 63, 64, 255, 256, 257, 704, 5000, 100_000):
+        splits, chunk = da.slices(length)
+        assert splits & (splits - 1) == 0 and splits <= da.MAX_SPLITS
+        assert chunk % da.BLOCK_N == 0 and splits * chunk >= length  # every position falls in a slice
+        assert chunk <= da.CHUNK_BLOCKS * da.BLOCK_N or splits == da.MAX_SPLITS
+
+
+@torch.no_grad()
+def test_model_decode_logits_equal_the_sdpa_path(tiny):  # noqa: F811
+    """The whole model over a static cache (left padding, unfilled tail): the Triton path's logits equal SDPA's."""
+    model, _, _, input_ids, mask = tiny
+    sdpa, skipping = copy.deepcopy(model), copy.deepcopy(model)
+    use_gqa_decode_attention(sdpa, "sdpa")
+    use_gqa_decode_attention(skipping, "triton")
+    assert skipping.config._attn_implementation == GQA_DECODE_SKIPPING
+    expected, got = _decode_logits(sdpa, input_ids, mask, 5), _decode_logits(skipping, input_ids, mask, 5)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_decoder_tokens_equal_the_sdpa_path(tiny):  # noqa: F811
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    sdpa = GraphDecoder(copy.deepcopy(model), compile=False, attention="sdpa").generate(input_ids, mask, **kwargs)
+    ours = GraphDecoder(copy.deepcopy(model), compile=False, attention="triton").generate(input_ids, mask, **kwargs)
+    assert torch.equal(ours, sdpa)
+
+
+def test_an_unknown_attention_is_refused(tiny):  # noqa: F811
+    with pytest.raises(ValueError, match="sdpa, triton"):
+        use_gqa_decode_attention(copy.deepcopy(tiny[0]), "flash")

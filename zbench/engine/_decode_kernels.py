@@ -1,0 +1,69 @@
+"""The Triton kernels of `zbench.engine.decode_attention`, in a module of their own: Triton decides when a kernel is
+defined whether it compiles it or runs it in its interpreter (`TRITON_INTERPRET=1`), so importing this module late,
+at the first call, lets a CPU test choose the interpreter."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+             sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
+             length, chunk, scale,
+             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+             BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    # the group's query heads are the rows of a tensor-core tile, padded to ROWS (tl.dot needs 16)
+    g = tl.arange(0, ROWS)
+    d = tl.arange(0, DIM)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+    run_max = tl.full([ROWS], float("-inf"), tl.float32)
+    run_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM], tl.float32)
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, length)
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        n = start + tl.arange(0, BLOCK)
+        inside = n < hi
+        keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+        # float32 caches multiply in float32, not TF32 (bf16 ones are unaffected)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (ROWS, BLOCK), float32
+        scores = tl.where(keep[None, :], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, 1))
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no kept position yet: nothing to rescale
+        p = tl.exp(scores - base[:, None])
+        rescale = tl.exp(run_max - base)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        run_sum = run_sum * rescale + tl.sum(p, 1)
+        run_max = new_max
+    # only the group's own rows (GROUP_P2 of them, the padding's zeros past GROUP) go to the combine
+    slot = ((b * HEADS + h) * SPLITS + s) * GROUP_P2
+    rows = g < GROUP_P2
+    tl.store(acc_ptr + (slot + g[:, None]) * DIM + d[None, :], acc, mask=rows[:, None])
+    tl.store(max_ptr + slot + g, run_max, mask=rows)
+    tl.store(sum_ptr + slot + g, run_sum, mask=rows)
+
+
+@triton.jit
+def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g,
+             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
+             HEADS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, DIM)
+    slot = ((b * HEADS + h) * SPLITS + s[:, None]) * GROUP_P2 + g[None, :]  # (SPLITS, GROUP_P2)
+    maxes = tl.load(max_ptr + slot)
+    top = tl.max(maxes, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(maxes - top[None, :])  # a slice with no kept position weighs 0
+    total = tl.sum(weight * tl.load(sum_ptr + slot), 0)
+    parts = tl.load(acc_ptr + slot[:, :, None] * DIM + d[None, None, :])  # (SPLITS, GROUP_P2, DIM)
+    out = tl.sum(parts * weight[:, :, None], 0) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g[:, None] < GROUP)

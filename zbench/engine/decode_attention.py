@@ -1,0 +1,92 @@
+"""One-token attention over a static KV cache that reads only the cache positions the mask lets a row attend.
+
+`GraphDecoder`'s cache is as wide as the prompt bucket plus every token still to come, and SDPA reads all of it on
+every decode step, masked or not: at 32 rows, 192 + 512 positions, that was 0.61 s of a 1.52 s rollout's kernels on
+an H100 (results/reference/h100-gpu-share-20261127), where the positions a row attends average about 60 % of the
+width. These two Triton kernels read a key or value only where the row's mask is set (a masked-off load moves no
+data), so left padding and the cache's unwritten tail cost nothing but the mask bytes.
+
+Split-K ("flash decoding"): `_partial` runs one program per (row, key/value head, split) over a slice of the cache,
+with the query heads that share the key/value head as the rows of its tile (grouped-query attention reads each key
+once); it keeps the running max, normaliser and weighted sum of its slice in float32; `_combine` rescales the slices
+to their common max and adds them up. Both launch with a fixed grid and no host sync, so they are recorded into the
+decode step's CUDA graph like any kernel; `torch.compile` sees them as one opaque operator (`zbench::decode_attention`).
+
+Triton ships with PyTorch's CUDA builds; without it (a CPU-only install) `available()` is False and the caller keeps
+SDPA. On a CPU, `TRITON_INTERPRET=1` runs the same kernels in Triton's interpreter, which is how they are tested
+against SDPA (the kernels' module is imported at the first call, so the variable need only be set before that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import triton
+except ImportError:  # a CPU-only install: the caller keeps SDPA
+    triton = None
+
+BLOCK_N = 64  # cache positions per loop iteration
+CHUNK_BLOCKS = 4  # loop iterations per program, at most: the cache splits into slices of this many blocks
+MAX_SPLITS = 16
+NUM_WARPS = 4
+STAGES = 3  # software pipelining of the cache loads
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: Triton is importable and the device is CUDA (or Triton's
+    interpreter is on, which runs them on CPU tensors)."""
+    import os
+
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def slices(length: int) -> tuple[int, int]:
+    """How `_partial` cuts a cache of `length` positions: (slices per (row, head), positions per slice). The slice
+    count is a power of 2 (the combine loads them as one tile), enough for `CHUNK_BLOCKS` blocks a slice and
+    `MAX_SPLITS` at most: many small programs keep many loads in flight, which a memory-bound kernel needs. Each
+    slice is whole blocks; trailing slices past the cache are empty and weigh nothing in the combine."""
+    splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(length, CHUNK_BLOCKS * BLOCK_N)))
+    return splits, triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
+
+
+@torch.library.custom_op("zbench::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one query per (row, query head) over a key/value cache, positions where `mask` is False skipped.
+
+    query (B, H_kv, G, D): the G query heads that share each key/value head; key, value (B, H_kv, L, D); mask (B, L),
+    True where the row attends. Returns (B, H_kv, G, D) in the query's dtype; a row that attends nothing gets zeros.
+    """
+    from zbench.engine._decode_kernels import _combine, _partial
+
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    batch, heads, group, dim = query.shape
+    length = key.shape[2]
+    splits, chunk = slices(length)
+    group_p2 = triton.next_power_of_2(group)
+    stats = (batch, heads, splits, group_p2)
+    acc = torch.empty(*stats, dim, dtype=torch.float32, device=query.device)
+    run_max = torch.empty(stats, dtype=torch.float32, device=query.device)
+    run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
+    out = torch.empty_like(query)
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    _partial[(batch, heads, splits)](
+        query, key, value, mask, acc, run_max, run_sum,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
+        length, chunk, scale,
+        GROUP=group, GROUP_P2=group_p2, ROWS=max(16, group_p2), DIM=dim, BLOCK=BLOCK_N, SPLITS=splits, HEADS=heads,
+        STAGES=STAGES, num_warps=NUM_WARPS)
+    _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2),
+                             GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits, HEADS=heads)
+    return out
+
+
+@decode_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
+    return torch.empty_like(query)
