@@ -20,7 +20,9 @@ import statistics
 import time
 
 import torch
-from vllm_profile import kernel_table  # this script's folder; imports no vLLM
+from vllm_profile import kernel_table, step_prompts  # this script's folder; imports no vLLM
+
+from zbench.engine.rollout import DECODE_ATTENTION
 
 
 def main() -> None:
@@ -28,11 +30,19 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, nargs="+", default=[32])
     parser.add_argument("--width", type=int, nargs="+", default=[256], help="left-padded prompt width (tokens)")
+    parser.add_argument("--data", default="", help="a GSM8K parquet from `zbench data gsm8k` (or synthetic): each "
+                                                   "batch is one step's prompts, --n samples each, padded as the "
+                                                   "trainer pads them, as benchmarks/vllm_profile.py sends them; "
+                                                   "--width is then unused")
+    parser.add_argument("--n", type=int, default=1, help="with --data: samples per prompt (batch / n prompts)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--sync-every", type=int, default=64)
     parser.add_argument("--top", type=int, default=12, help="kernels listed per profile")
+    parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=DECODE_ATTENTION,
+                        help="the decode step's attention: SDPA over the whole cache, or the Triton kernels that "
+                             "read only the masked-in positions (each measured in turn, same prompts)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -45,17 +55,26 @@ def main() -> None:
     sync = torch.cuda.synchronize if on_cuda else lambda: None
     path = resolve_model(args.model)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).to(device).eval()
-    graph = GraphDecoder(lm, compile=on_cuda, sync_every=args.sync_every)
     base = {"model": args.model, "new_tokens": args.new_tokens, "top_p": args.top_p, "sync_every": args.sync_every,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
-    for batch in args.batch:
-        for width in args.width:
-            torch.manual_seed(0)
-            ids = torch.randint(10, min(5000, lm.config.vocab_size), (batch, width), device=device)
-            mask = torch.ones_like(ids)
-            mask[: batch // 2, : width // 4] = 0  # half the rows left-padded, as a bucketed prompt batch is
+    for attention in args.attention:
+        graph = GraphDecoder(lm, compile=on_cuda, sync_every=args.sync_every, attention=attention)
+        for batch, width in ((b, w) for b in args.batch for w in ([0] if args.data else args.width)):
+            if args.data:
+                step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
+                                          new_tokens=args.new_tokens)
+                _, _, ids, mask, pad_id, _ = step_prompts(step)
+                pad = -ids.shape[1] % 64  # the trainer pads the graph loop's prompts to a multiple of 64
+                ids = torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device)
+                mask = torch.nn.functional.pad(mask, (pad, 0)).to(device)
+                width = ids.shape[1]
+            else:
+                torch.manual_seed(0)
+                ids = torch.randint(10, min(5000, lm.config.vocab_size), (batch, width), device=device)
+                mask = torch.ones_like(ids)
+                mask[: batch // 2, : width // 4] = 0  # half the rows left-padded, as a bucketed prompt batch is
 
-            def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> float:
+            def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask, graph: GraphDecoder = graph) -> float:
                 sync()
                 start = time.perf_counter()
                 graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
@@ -65,7 +84,8 @@ def main() -> None:
 
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
-            row = base | {"batch": batch, "width": width}
+            row = base | {"attention": attention, "batch": batch, "width": width, "data": args.data or "random",
+                          "prompt_tokens": int(mask.sum())}
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
                                     "min_s": min(times), "max_s": max(times),
                                     "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None}), flush=True)

@@ -100,14 +100,12 @@ def kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[di
     return sum(o.ns for o in device) / 1e9, rows[:top]
 
 
-def engine_and_batch(args: argparse.Namespace,
-                     variant: dict[str, Any]) -> tuple[Any, Any, torch.Tensor, torch.Tensor, list[int]]:
-    """A case's vLLM engine on this GPU (`variant`: its further engine arguments) and one step's prompts from
-    `args.data`, each `args.n` times, left-padded: (config, rollout, ids, mask, eos ids)."""
-    from transformers import AutoConfig, AutoTokenizer
+def step_prompts(args: argparse.Namespace) -> tuple[Any, str, torch.Tensor, torch.Tensor, int, list[int]]:
+    """One step's prompts from `args.data`, each `args.n` times, left-padded as the trainer pads them:
+    (config, model path, ids, mask, pad id, eos ids)."""
+    from transformers import AutoTokenizer
 
     from zbench.data import load_prompts, synthetic_problems
-    from zbench.engine import vllm_rollout
     from zbench.engine.batches import left_pad
     from zbench.engine.trainer import PromptStream
     from zbench.models import resolve_model, special_ids
@@ -120,6 +118,18 @@ def engine_and_batch(args: argparse.Namespace,
     rows = synthetic_problems(4 * args.prompts, 0, "train") if d.train_files == "synthetic" else load_prompts(d.train_files)
     stream = PromptStream(rows[: 8 * args.prompts], tok, args.prompts, cfg.seed, True, d.max_prompt_length)
     ids, mask = left_pad([stream.ids[i] for i in stream.indices(1) for _ in range(args.n)], pad_id)
+    return cfg, model_path, ids, mask, pad_id, eos_ids
+
+
+def engine_and_batch(args: argparse.Namespace,
+                     variant: dict[str, Any]) -> tuple[Any, Any, torch.Tensor, torch.Tensor, list[int]]:
+    """A case's vLLM engine on this GPU (`variant`: its further engine arguments) and one step's prompts
+    (`step_prompts`): (config, rollout, ids, mask, eos ids)."""
+    from transformers import AutoConfig
+
+    from zbench.engine import vllm_rollout
+
+    cfg, model_path, ids, mask, pad_id, eos_ids = step_prompts(args)
     tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
     rollout = vllm_rollout.build(model_path, cfg, pad_id, eos_ids, 0, tied, engine_args=variant.get("engine"),
                                  in_process=variant.get("in_process", True))

@@ -1,0 +1,93 @@
+"""The decode step's attention alone, on one GPU: SDPA over the whole static cache (what `GraphDecoder` runs with
+`attention="sdpa"`) against `zbench.engine.decode_attention`'s Triton kernels, which read only the masked-in
+positions, for each kernel geometry asked. Each variant is captured as a CUDA graph of one call per layer and
+replayed, as in the decode step, so launch overhead counts as it does there.
+
+The mask is a rollout's midpoint: half the rows left-padded by `--pad` positions, every row filled to
+`--width + --filled` of `--width + --new-tokens`. One JSON line per measurement:
+
+    python benchmarks/decode_attention_bench.py --batch 32 128 --width 192 --new-tokens 512 --filled 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+import zbench.engine.decode_attention as da
+
+
+def graph_time(fn, layers: int, repeats: int) -> float:
+    """Microseconds per call of `fn`, captured `layers` times into one CUDA graph and replayed `repeats` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (repeats * layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--filled", type=int, default=256, help="generated positions already in the cache")
+    parser.add_argument("--pad", type=int, default=48, help="left padding of half the rows")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--block", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+
+    length = args.width + args.new_tokens
+    group = args.heads // args.kv_heads
+    for batch in args.batch:
+        g = torch.Generator("cuda").manual_seed(0)
+        q = torch.randn(batch, args.kv_heads, group, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(batch, args.kv_heads, length, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn_like(k)
+        mask = torch.zeros(batch, length, dtype=torch.bool, device="cuda")
+        mask[:, : args.width + args.filled] = True
+        mask[: batch // 2, : args.pad] = False
+        mask4 = mask[:, None, None, :]
+        scale = args.dim ** -0.5
+        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask4, scale=scale)
+        base = {"batch": batch, "length": length, "attended": mask.float().mean().item(), "layers": args.layers}
+        sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask4, scale=scale),
+                             args.layers, args.repeats)
+        print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
+        for block, chunk, warps, stages in itertools.product(args.block, args.chunk_blocks, args.warps, args.stages):
+            da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES = block, chunk, warps, stages
+            error = (da.decode_attention(q, k, v, mask, scale).float() - reference).abs().max().item()
+            us = graph_time(functools.partial(da.decode_attention, q, k, v, mask, scale), args.layers, args.repeats)
+            print(json.dumps(base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps, "stages": stages,
+                                     "splits": da.slices(length)[0], "us_per_call": us,
+                                     "max_abs_error": error}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
