@@ -18,6 +18,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 import zbench.engine.decode_attention as da
 
@@ -82,11 +83,16 @@ def main() -> None:
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
         for block, chunk, warps, stages in itertools.product(args.block, args.chunk_blocks, args.warps, args.stages):
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES = block, chunk, warps, stages
-            error = (da.decode_attention(q, k, v, mask, scale).float() - reference).abs().max().item()
-            us = graph_time(functools.partial(da.decode_attention, q, k, v, mask, scale), args.layers, args.repeats)
-            print(json.dumps(base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps, "stages": stages,
-                                     "splits": da.slices(length)[0], "us_per_call": us,
-                                     "max_abs_error": error}), flush=True)
+            variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
+                              "stages": stages, "splits": da.slices(length)[0]}
+            try:  # a geometry can exceed the GPU's shared memory: say so and go on with the sweep
+                error = (da.decode_attention(q, k, v, mask, scale).float() - reference).abs().max().item()
+                us = graph_time(functools.partial(da.decode_attention, q, k, v, mask, scale), args.layers,
+                                args.repeats)
+            except (OutOfResources, RuntimeError) as exc:
+                print(json.dumps(variant | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}), flush=True)
+                continue
+            print(json.dumps(variant | {"us_per_call": us, "max_abs_error": error}), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def main() -> None:
                         help="the decode step's attention: SDPA over the whole cache, or the Triton kernels that "
                              "read only the masked-in positions (each measured in turn, same prompts)")
     args = parser.parse_args()
+    if args.data and any(b % args.n for b in args.batch):
+        parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
 
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +84,8 @@ def main() -> None:
                 sync()
                 return time.perf_counter() - start
 
+            if on_cuda:  # each row's peak memory is its own
+                torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
             row = base | {"attention": attention, "batch": batch, "width": width, "data": args.data or "random",

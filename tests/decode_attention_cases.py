@@ -23,14 +23,34 @@ from zbench.engine import decode_attention as da
 from zbench.engine.rollout import (
     GQA_DECODE_SKIPPING,
     GraphDecoder,
+    gqa_decode_attention,
+    gqa_decode_attention_skipping,
     resolve_decode_attention,
     use_gqa_decode_attention,
 )
 
 
-def test_the_interpreter_runs_the_kernels_on_cpu_tensors():
-    assert da.available(torch.device("cpu"))
-    assert resolve_decode_attention("auto", torch.device("cpu")) == "triton"
+def test_the_interpreter_runs_the_kernels_on_cpu_tensors_when_asked():
+    cpu = torch.device("cpu")
+    assert da.available(cpu)
+    assert resolve_decode_attention("triton", cpu, 128) == "triton"
+    assert resolve_decode_attention("auto", cpu, 128) == "sdpa"  # never the (slow) interpreter unasked
+    with pytest.raises(RuntimeError, match=r"the model's heads have 80 dimensions"):
+        resolve_decode_attention("triton", cpu, 80)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the calls that reach the kernels (the attention imports the op at each call)."""
+    calls = []
+    real = da.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_attention", counted)
+    return calls
 
 
 def _masks(batch: int, length: int, g: torch.Generator) -> torch.Tensor:
@@ -59,6 +79,43 @@ def test_kernels_equal_sdpa(batch, kv_heads, group, dim, length):
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5), got)
 
 
+def test_bad_inputs_are_refused_not_misread():
+    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16)
+    with pytest.raises(ValueError, match=r"the mask must be bool of shape \(2, 40\)"):
+        da.decode_attention(q, k, k, torch.zeros(2, 40), 0.25)  # an additive mask would read inverted
+    with pytest.raises(ValueError, match=r"the mask must be bool of shape \(2, 40\)"):
+        da.decode_attention(q, k, k, torch.ones(2, 39, dtype=torch.bool), 0.25)  # short: reads past it
+    with pytest.raises(ValueError, match=r"D a power of 2 >= 16"):
+        da.decode_attention(torch.randn(2, 1, 2, 80), torch.randn(2, 1, 40, 80), torch.randn(2, 1, 40, 80),
+                            torch.ones(2, 40, dtype=torch.bool), 0.1)
+
+
+def test_strided_inputs_and_a_broadcast_mask():
+    """A query sliced from a wider tensor, a key that is a transposed view, a mask expanded from one row."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2, 2, 64, generator=g)[..., ::2]  # last stride 2
+    k = torch.randn(3, 2, 32, 90, generator=g).transpose(2, 3)[:, :, :80, :]  # (3, 2, 80, 32), non-contiguous
+    v = torch.randn(3, 2, 80, 32, generator=g)
+    mask = torch.zeros(80, dtype=torch.bool)
+    mask[10:70] = True
+    mask = mask.expand(3, 80)  # stride 0 over the rows
+    got = da.decode_attention(q, k, v, mask, 0.2)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=0.2)
+    assert got.is_contiguous() and torch.allclose(got, expected, atol=1e-5)
+
+
+def test_heads_the_kernels_do_not_take_stay_with_sdpa(tiny, op_calls):  # noqa: F811
+    """A head size that is no power of 2 (Phi-2's 80) goes through SDPA, not into the kernels."""
+    attn = tiny[0].model.layers[0].self_attn
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 4, 1, 80, generator=g)
+    key, value = (torch.randn(2, 2, 30, 80, generator=g) for _ in range(2))
+    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    got, _ = gqa_decode_attention_skipping(attn, query, key, value, mask, scaling=0.1)
+    expected, _ = gqa_decode_attention(attn, query, key, value, mask, scaling=0.1)
+    assert torch.equal(got, expected) and not op_calls
+
+
 def test_a_row_that_attends_nothing_gets_zeros():
     q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16), torch.randn(2, 1, 40, 16)
     mask = torch.zeros(2, 40, dtype=torch.bool)
@@ -78,14 +135,18 @@ def test_slices_cover_the_cache():
 
 
 @torch.no_grad()
-def test_model_decode_logits_equal_the_sdpa_path(tiny):  # noqa: F811
-    """The whole model over a static cache (left padding, unfilled tail): the Triton path's logits equal SDPA's."""
+def test_model_decode_logits_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
+    """The whole model over a static cache (left padding, unfilled tail): the Triton path's logits equal SDPA's,
+    and every layer's one-token step went through the kernels (none fell back to SDPA unseen)."""
     model, _, _, input_ids, mask = tiny
     sdpa, skipping = copy.deepcopy(model), copy.deepcopy(model)
     use_gqa_decode_attention(sdpa, "sdpa")
     use_gqa_decode_attention(skipping, "triton")
     assert skipping.config._attn_implementation == GQA_DECODE_SKIPPING
-    expected, got = _decode_logits(sdpa, input_ids, mask, 5), _decode_logits(skipping, input_ids, mask, 5)
+    expected = _decode_logits(sdpa, input_ids, mask, 5)
+    assert not op_calls
+    got = _decode_logits(skipping, input_ids, mask, 5)
+    assert len(op_calls) == 5 * model.config.num_hidden_layers  # the prompt's pass is SDPA's: several query tokens
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 

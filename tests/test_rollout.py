@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StaticCache
 from transformers.generation.logits_process import TopPLogitsWarper
 
@@ -167,14 +168,14 @@ def test_gqa_decode_attention_falls_back_to_sdpa_for_a_position_bias(tiny):
 
 
 def test_the_graph_loop_records_its_attention_and_refuses_triton_where_it_cannot_run(tiny, monkeypatch):
-    """`auto` takes SDPA where Triton's kernels cannot run (here: CPU tensors, no interpreter); asking for them
-    there is an error that says why; the rollout records what its graph loop runs (nothing without one)."""
+    """`auto` takes SDPA off CUDA (here: CPU tensors); asking for Triton's kernels where they cannot run is an
+    error that says why; the rollout records what its graph loop runs (nothing without one)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model, pad_id, eos_ids = tiny[:3]
     cpu = torch.device("cpu")
-    assert resolve_decode_attention("auto", cpu) == "sdpa" and resolve_decode_attention("sdpa", cpu) == "sdpa"
+    assert resolve_decode_attention("auto", cpu, 128) == "sdpa" and resolve_decode_attention("sdpa", cpu, 80) == "sdpa"
     with pytest.raises(RuntimeError, match=r"rollout.decode_attention=triton: its kernels cannot run here"):
-        resolve_decode_attention("triton", cpu)
+        resolve_decode_attention("triton", cpu, 128)
     common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0,
               "static_cache": False, "device": cpu}
     assert HFRollout(copy.deepcopy(model), cuda_graph=True, **common).decode_attention == "sdpa"
@@ -200,3 +201,25 @@ def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
     for sdpa, triton in zip(tokens["sdpa"], tokens["triton"], strict=True):
         assert torch.equal(triton, sdpa)
     assert torch.equal(tokens["triton"][0], tokens["triton"][1])  # extra left padding changes nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compiled kernels need CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_decode_attention_in_half_precision_on_cuda(dtype):
+    """The kernels as a bf16 / fp16 model runs them (the CPU interpreter cannot multiply half-precision tiles): no
+    further from float32 SDPA than SDPA in the same precision, over left padding and an unfilled tail."""
+    from zbench.engine.decode_attention import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for batch, length in ((32, 704), (5, 100), (128, 896)):
+        q = torch.randn(batch, 8, 2, 128, device="cuda", generator=g).to(dtype)
+        k, v = (torch.randn(batch, 8, length, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+        mask = torch.zeros(batch, length, dtype=torch.bool, device="cuda")
+        for row in range(batch):
+            mask[row, (row * 7) % (length // 3): length - (row * 13) % (length // 2)] = True
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None, None, :])
+        ours = decode_attention(q, k, v, mask, 128 ** -0.5)
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        ours_err, sdpa_err = ((t.float() - exact).abs().max().item() for t in (ours, theirs))
+        assert ours.dtype == dtype and ours_err <= 2 * sdpa_err + 1e-3, (batch, length, ours_err, sdpa_err)

@@ -12,7 +12,7 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              length, chunk, scale,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
     h = tl.program_id(1)
     s = tl.program_id(2)
     # the group's query heads are the rows of a tensor-core tile, padded to ROWS (tl.dot needs 16)
@@ -52,7 +52,7 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
 def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
              HEADS: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     g = tl.arange(0, GROUP_P2)

@@ -19,6 +19,7 @@ against SDPA (the kernels' module is imported at the first call, so the variable
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,13 +37,25 @@ STAGES = 3  # software pipelining of the cache loads
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernels can run on `device`: Triton is importable and the device is CUDA (or Triton's
-    interpreter is on, which runs them on CPU tensors)."""
-    import os
-
+    """Whether the kernels can run on `device`: Triton is importable and the device is CUDA, or Triton's
+    interpreter is on (`TRITON_INTERPRET`), which runs them, slowly, on CPU tensors."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or _interpreting()
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (read as Triton reads it)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def supports(head_dim: int, value_dim: int | None = None) -> bool:
+    """Whether the kernels take heads of this size: a power of 2 from 16 (a tile dimension), keys and values alike.
+    Other sizes (80, 96: Phi-2, Phi-3) stay with SDPA."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and value_dim in (None, head_dim)
 
 
 def slices(length: int) -> tuple[int, int]:
@@ -64,17 +77,24 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     from zbench.engine._decode_kernels import _combine, _partial
 
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     batch, heads, group, dim = query.shape
     length = key.shape[2]
+    if not supports(dim, value.shape[-1]) or key.shape != value.shape or key.shape[:2] != (batch, heads) \
+            or key.shape[3] != dim:
+        raise ValueError(f"decode_attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}: needs (B, H_kv, G, D) against (B, H_kv, L, D), D a power of 2 >= 16")
+    if mask.dtype != torch.bool or mask.shape != (batch, length):
+        raise ValueError(f"decode_attention: the mask must be bool of shape {(batch, length)} (True: attend); got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     splits, chunk = slices(length)
     group_p2 = triton.next_power_of_2(group)
     stats = (batch, heads, splits, group_p2)
     acc = torch.empty(*stats, dim, dtype=torch.float32, device=query.device)
     run_max = torch.empty(stats, dtype=torch.float32, device=query.device)
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
-    out = torch.empty_like(query)
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    mask = mask.view(torch.uint8)
     _partial[(batch, heads, splits)](
         query, key, value, mask, acc, run_max, run_sum,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
@@ -89,4 +109,4 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 @decode_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
-    return torch.empty_like(query)
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the real output

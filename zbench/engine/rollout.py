@@ -58,9 +58,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
 
 def _one_token_step(module: nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether an attention call is a plain one-token decode step: one query position, inference, and none of a
-    position bias, softcapping or returned attention weights (which only SDPA itself handles)."""
-    # a position bias is a tensor (no truth value); softcap and output_attentions are plain values
-    extra = kwargs.get("position_bias") is not None or bool(kwargs.get("softcap")) or bool(kwargs.get("output_attentions"))
+    position bias, attention sinks, softcapping or returned attention weights (left to transformers' SDPA)."""
+    # a position bias and attention sinks are tensors (no truth value); softcap and output_attentions plain values
+    extra = (kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or bool(kwargs.get("softcap"))
+             or bool(kwargs.get("output_attentions")))
     return query.shape[2] == 1 and not extra and not module.training
 
 
@@ -86,11 +87,14 @@ def gqa_decode_attention_skipping(module: nn.Module, query: torch.Tensor, key: t
                                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """`gqa_decode_attention`, except that a one-token query under a boolean mask runs `decode_attention`'s Triton
     kernels, which read only the cache positions the mask keeps (SDPA reads the whole static cache every token)."""
-    from zbench.engine.decode_attention import decode_attention
+    from zbench.engine.decode_attention import decode_attention, supports
 
+    # the mask says which positions a row attends, a sliding window's included; a float (additive) mask or none
+    # at all, or heads the kernels do not take, stay with SDPA
     one_mask_row = (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
                     and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
-    if not _one_token_step(module, query, kwargs) or not one_mask_row or kwargs.get("sliding_window"):
+    fits = supports(query.shape[-1], value.shape[-1])
+    if not _one_token_step(module, query, kwargs) or not one_mask_row or not fits:
         return gqa_decode_attention(module, query, key, value, attention_mask, **kwargs)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -114,19 +118,29 @@ def use_gqa_decode_attention(model: nn.Module, attention: str = "sdpa") -> None:
     model.set_attn_implementation(GQA_DECODE if attention == "sdpa" else GQA_DECODE_SKIPPING)
 
 
-def resolve_decode_attention(asked: str, device: torch.device) -> str:
-    """`rollout.decode_attention` as it will run on `device`: `auto` takes the Triton kernels where they can run,
-    else SDPA; `triton` where they cannot is an error that says why."""
+def resolve_decode_attention(asked: str, device: torch.device, head_dim: int) -> str:
+    """`rollout.decode_attention` as it will run on `device` for heads of `head_dim`: `auto` takes the Triton
+    kernels on a CUDA device where they take such heads, else SDPA; `triton` where they cannot run is an error that
+    says why (on a CPU it needs Triton's interpreter, `TRITON_INTERPRET=1`, which `auto` never picks)."""
     from zbench.engine import decode_attention
 
-    runs = decode_attention.available(device)
     if asked == "auto":
-        return "triton" if runs else "sdpa"
-    if asked == "triton" and not runs:
-        why = "Triton is not installed" if decode_attention.triton is None else f"the rollout runs on {device.type}"
-        raise RuntimeError(f"rollout.decode_attention=triton: its kernels cannot run here ({why}; they need a CUDA "
-                           "device and PyTorch's Triton); use sdpa or auto")
+        fits = device.type == "cuda" and decode_attention.available(device) and decode_attention.supports(head_dim)
+        return "triton" if fits else "sdpa"
+    if asked == "triton":
+        if not decode_attention.available(device):
+            why = "Triton is not installed" if decode_attention.triton is None else f"the rollout runs on {device.type}"
+            raise RuntimeError(f"rollout.decode_attention=triton: its kernels cannot run here ({why}; they need a "
+                               "CUDA device and PyTorch's Triton); use sdpa or auto")
+        if not decode_attention.supports(head_dim):
+            raise RuntimeError(f"rollout.decode_attention=triton: the model's heads have {head_dim} dimensions; the "
+                               "kernels take a power of 2 from 16 only: use sdpa or auto")
     return asked
+
+
+def head_dim_of(config: Any) -> int:
+    """The attention heads' size of a transformers config (`head_dim`, else hidden size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class GraphDecoder:
@@ -228,7 +242,8 @@ class HFRollout:
         # the CUDA graph re-record each time: it runs the same loop eagerly instead
         compile_step = device.type == "cuda" and not parked
         # the graph loop's attention as it runs (None without the graph loop), for the case's result.json
-        self.decode_attention = resolve_decode_attention(decode_attention, device) if cuda_graph else None
+        self.decode_attention = (resolve_decode_attention(decode_attention, device, head_dim_of(self.model.config))
+                                 if cuda_graph else None)
         self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention)
                       if self.decode_attention else None)
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
