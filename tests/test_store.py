@@ -247,7 +247,7 @@ def test_collect_environment() -> None:
     info = env.collect_environment()
     assert time.monotonic() - t0 < 10
     assert info["versions"]["python"] == sys.version.split()[0]
-    assert set(info["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm"}
+    assert set(info["versions"]) == {"python", "torch", "deepspeed", "ray", "transformers", "vllm", "triton"}
     assert isinstance(info["gpus"], list) and info["host"] and set(info["git"]) == {"commit", "dirty"}
     cpu = info["cpu"]  # what /proc/cpuinfo names, not a default standing in for it
     named = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

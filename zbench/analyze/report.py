@@ -19,7 +19,7 @@ import pandas as pd
 from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
-from zbench.env import REACH_CLUSTER
+from zbench.env import REACH_CLUSTER, VERSIONED_PACKAGES
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
 from zbench.runroot.memory_figures import ALLOCATED, DEVICE, GEN, HOST, RESERVED, TRAIN, MemoryFigure, leading
 from zbench.runroot.read import (
@@ -53,8 +53,7 @@ def environment_lines(manifest: dict) -> list[str]:
     git = manifest.get("git", {})
     soft = " · ".join([f"zbench {manifest.get('zbench_version', '?')}",
                        f"git {str(git.get('commit') or '?')[:10]}{' (dirty)' if git.get('dirty') else ''}",
-                       *(f"{k} {v[k]}" for k in ("python", "torch", "deepspeed", "ray", "transformers", "vllm")
-                         if v.get(k))])
+                       *(f"{k} {v[k]}" for k in ("python", *VERSIONED_PACKAGES) if v.get(k))])
     gpus = manifest.get("gpus") or []
     hw = f"{len(gpus)}× {gpus[0].get('name')} ({gpus[0].get('memory_gb')} GB)" if gpus else "no GPU"
     cpu = manifest.get("cpu") or {}  # runs recorded before the manifest named the CPU have none
