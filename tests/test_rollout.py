@@ -223,3 +223,16 @@ def test_triton_decode_attention_in_half_precision_on_cuda(dtype):
         theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
         ours_err, sdpa_err = ((t.float() - exact).abs().max().item() for t in (ours, theirs))
         assert ours.dtype == dtype and ours_err <= 2 * sdpa_err + 1e-3, (batch, length, ours_err, sdpa_err)
+
+
+def test_bench_gen_graph_says_which_attention_ran_and_agrees_with_generate(monkeypatch):
+    """`zbench bench gen --decode graph` measures the loop with the attention a case would get and records it; on
+    a CPU that is SDPA, and its greedy tokens are `generate`'s."""
+    from zbench.bench import generation
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = generation("tiny", prompts=2, prompt_len=8, new_tokens=4, decode="graph", repeats=1)
+    assert result["decode_attention"] == "sdpa" and result["device"] == "cpu"
+    assert result["greedy_identical_rows"] == 2 and result["generated_tokens_per_s"] > 0
+    assert "decode_attention" not in generation("tiny", prompts=2, prompt_len=8, new_tokens=4, decode="generate",
+                                                repeats=1)

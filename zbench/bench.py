@@ -341,10 +341,11 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
                repeats: int = 2) -> dict[str, Any]:
     """Generated tokens per second (sampling at temperature 1, forced to `new_tokens`), best of `repeats` after a
     warm-up call, for transformers `generate` with a dynamic (`generate`) or static (`static`) cache, or zbench's
-    CUDA-graph decode loop (`graph`). For `graph`, also how far its greedy tokens agree with `generate`'s."""
+    CUDA-graph decode loop (`graph`, with the attention `rollout.decode_attention=auto` gives: Triton's kernels on a
+    CUDA device, else SDPA). For `graph`, also how far its greedy tokens agree with `generate`'s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from zbench.engine.rollout import GraphDecoder
+    from zbench.engine.rollout import GraphDecoder, head_dim_of, resolve_decode_attention
     from zbench.models import resolve_model, special_ids
 
     on_cuda = torch.cuda.is_available()
@@ -355,7 +356,8 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
     torch.manual_seed(0)
     ids = torch.randint(10, 200, (prompts, prompt_len), device=device)
     mask = torch.ones_like(ids)
-    graph = GraphDecoder(lm, compile=on_cuda) if decode == "graph" else None
+    attention = resolve_decode_attention("auto", device, head_dim_of(lm.config)) if decode == "graph" else None
+    graph = GraphDecoder(lm, compile=on_cuda, attention=attention) if attention else None
 
     def hf(sample: bool, tokens: int) -> torch.Tensor:
         gen = GenerationConfig(do_sample=sample, temperature=1.0 if sample else None, top_p=1.0 if sample else None,
@@ -393,6 +395,6 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
             result |= {"greedy_common_prefix_mean": same.mean().item(), "greedy_identical_rows": int((same == 32).sum())}
     best = min(times[1:])
     return {"model": model, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "decode": decode, "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
+            "decode": decode, **({"decode_attention": attention} if attention else {}), "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
             **result,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
