@@ -116,6 +116,18 @@ def test_heads_the_kernels_do_not_take_stay_with_sdpa(tiny, op_calls):  # noqa: 
     assert torch.equal(got, expected) and not op_calls
 
 
+def test_a_mask_made_once_for_the_batch_broadcasts(tiny, op_calls):  # noqa: F811
+    attn = tiny[0].model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 4, 1, 16, generator=g)
+    key, value = (torch.randn(3, 2, 40, 16, generator=g) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
+    mask[..., 5:33] = True
+    got, _ = gqa_decode_attention_skipping(attn, query, key, value, mask, scaling=0.25)
+    expected, _ = gqa_decode_attention(attn, query, key, value, mask, scaling=0.25)
+    assert len(op_calls) == 1 and torch.allclose(got, expected, atol=1e-5)
+
+
 def test_a_row_that_attends_nothing_gets_zeros():
     q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16), torch.randn(2, 1, 40, 16)
     mask = torch.zeros(2, 40, dtype=torch.bool)

@@ -100,7 +100,8 @@ def gqa_decode_attention_skipping(module: nn.Module, query: torch.Tensor, key: t
     kv_heads = key.shape[1]
     folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     scale = kwargs.get("scaling") or dim ** -0.5
-    out = decode_attention(folded, key, value, attention_mask[:, 0, 0, :], float(scale))
+    # a mask made once for the whole batch broadcasts over the rows, as it would in SDPA
+    out = decode_attention(folded, key, value, attention_mask[:, 0, 0, :].expand(batch, -1), float(scale))
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
