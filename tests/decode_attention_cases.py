@@ -7,6 +7,7 @@ Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a pro
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,13 +31,30 @@ from zbench.engine.rollout import (
 )
 
 
+def _config(**fields):
+    return SimpleNamespace(**({"hidden_size": 2048, "num_attention_heads": 16, "head_dim": 128} | fields))
+
+
 def test_the_interpreter_runs_the_kernels_on_cpu_tensors_when_asked():
-    cpu = torch.device("cpu")
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert da.available(cpu)
-    assert resolve_decode_attention("triton", cpu, 128) == "triton"
-    assert resolve_decode_attention("auto", cpu, 128) == "sdpa"  # never the (slow) interpreter unasked
-    with pytest.raises(RuntimeError, match=r"the model's heads have 80 dimensions"):
-        resolve_decode_attention("triton", cpu, 80)
+    assert resolve_decode_attention("triton", cpu, _config(), bf16) == "triton"
+    assert resolve_decode_attention("auto", cpu, _config(), bf16) == "sdpa"  # never the (slow) interpreter unasked
+
+
+@pytest.mark.parametrize(("fields", "dtype", "why"), [
+    ({"head_dim": 80}, torch.bfloat16, r"heads of \[80\] dimensions in bfloat16"),  # Phi-2
+    ({"head_dim": 256}, torch.float32, r"heads of \[256\] dimensions in float32"),  # too much shared memory
+    ({"head_dim": 64, "v_head_dim": 128, "qk_head_dim": 192}, torch.bfloat16, r"heads of \[64, 128, 192\]"),
+    ({"attn_logit_softcapping": 50.0}, torch.bfloat16, r"softcapped attention logits"),  # Gemma-2
+    ({"model_type": "gpt_oss"}, torch.bfloat16, r"attention sinks"),
+])
+def test_models_the_kernels_do_not_compute_are_named(fields, dtype, why):
+    """`triton` for a model whose every layer would fall back to SDPA is an error naming why; `auto` keeps SDPA."""
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"the kernels do not compute this model's attention \(" + why):
+        resolve_decode_attention("triton", cpu, _config(**fields), dtype)
+    assert da.unsupported(_config(head_dim=256), torch.bfloat16) is None  # bf16 heads of 256 fit
 
 
 @pytest.fixture
@@ -85,17 +103,18 @@ def test_bad_inputs_are_refused_not_misread():
         da.decode_attention(q, k, k, torch.zeros(2, 40), 0.25)  # an additive mask would read inverted
     with pytest.raises(ValueError, match=r"the mask must be bool of shape \(2, 40\)"):
         da.decode_attention(q, k, k, torch.ones(2, 39, dtype=torch.bool), 0.25)  # short: reads past it
-    with pytest.raises(ValueError, match=r"D a power of 2 >= 16"):
+    with pytest.raises(ValueError, match=r"D a power of 2 from 16 to 256 \(128 in float32\)"):
         da.decode_attention(torch.randn(2, 1, 2, 80), torch.randn(2, 1, 40, 80), torch.randn(2, 1, 40, 80),
                             torch.ones(2, 40, dtype=torch.bool), 0.1)
 
 
 def test_strided_inputs_and_a_broadcast_mask():
-    """A query sliced from a wider tensor, a key that is a transposed view, a mask expanded from one row."""
+    """A query with a strided last dimension, a key sliced from a longer cache, a value from more heads, a mask
+    expanded from one row (stride 0)."""
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 2, 2, 64, generator=g)[..., ::2]  # last stride 2
-    k = torch.randn(3, 2, 32, 90, generator=g).transpose(2, 3)[:, :, :80, :]  # (3, 2, 80, 32), non-contiguous
-    v = torch.randn(3, 2, 80, 32, generator=g)
+    q = torch.randn(3, 2, 2, 64, generator=g)[..., ::2]  # last stride 2: copied before the kernels
+    k = torch.randn(3, 2, 100, 32, generator=g)[:, :, :80]  # a cache sliced along its positions: read in place
+    v = torch.randn(3, 4, 80, 32, generator=g)[:, 1:3]  # every other head's stride
     mask = torch.zeros(80, dtype=torch.bool)
     mask[10:70] = True
     mask = mask.expand(3, 80)  # stride 0 over the rows
@@ -162,13 +181,16 @@ def test_model_decode_logits_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_graph_decoder_tokens_equal_the_sdpa_path(tiny):  # noqa: F811
+def test_graph_decoder_tokens_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
     model, pad_id, eos_ids, input_ids, mask = tiny
     kwargs = {"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
               "generator": None}
     sdpa = GraphDecoder(copy.deepcopy(model), compile=False, attention="sdpa").generate(input_ids, mask, **kwargs)
+    assert not op_calls
     ours = GraphDecoder(copy.deepcopy(model), compile=False, attention="triton").generate(input_ids, mask, **kwargs)
     assert torch.equal(ours, sdpa)
+    steps = len(op_calls) // model.config.num_hidden_layers  # every decode step of every layer, none on SDPA
+    assert steps >= 1 and len(op_calls) == steps * model.config.num_hidden_layers
 
 
 def test_an_unknown_attention_is_refused(tiny):  # noqa: F811

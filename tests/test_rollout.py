@@ -173,9 +173,11 @@ def test_the_graph_loop_records_its_attention_and_refuses_triton_where_it_cannot
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model, pad_id, eos_ids = tiny[:3]
     cpu = torch.device("cpu")
-    assert resolve_decode_attention("auto", cpu, 128) == "sdpa" and resolve_decode_attention("sdpa", cpu, 80) == "sdpa"
+    config, dtype = model.config, torch.float32
+    assert resolve_decode_attention("auto", cpu, config, dtype) == "sdpa"
+    assert resolve_decode_attention("sdpa", cpu, config, dtype) == "sdpa"
     with pytest.raises(RuntimeError, match=r"rollout.decode_attention=triton: its kernels cannot run here"):
-        resolve_decode_attention("triton", cpu, 128)
+        resolve_decode_attention("triton", cpu, config, dtype)
     common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0,
               "static_cache": False, "device": cpu}
     assert HFRollout(copy.deepcopy(model), cuda_graph=True, **common).decode_attention == "sdpa"
@@ -201,6 +203,9 @@ def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
     for sdpa, triton in zip(tokens["sdpa"], tokens["triton"], strict=True):
         assert torch.equal(triton, sdpa)
     assert torch.equal(tokens["triton"][0], tokens["triton"][1])  # extra left padding changes nothing
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:  # the kernels ran
+        decoder.generate(ids, mask, **kwargs)
+    assert any(e.name == "_partial" for e in prof.events()), "the recorded step fell back to SDPA"
 
 
 @pytest.mark.gpu

@@ -345,7 +345,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
     CUDA device, else SDPA). For `graph`, also how far its greedy tokens agree with `generate`'s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from zbench.engine.rollout import GraphDecoder, head_dim_of, resolve_decode_attention
+    from zbench.engine.rollout import GraphDecoder, resolve_decode_attention
     from zbench.models import resolve_model, special_ids
 
     on_cuda = torch.cuda.is_available()
@@ -356,7 +356,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
     torch.manual_seed(0)
     ids = torch.randint(10, 200, (prompts, prompt_len), device=device)
     mask = torch.ones_like(ids)
-    attention = resolve_decode_attention("auto", device, head_dim_of(lm.config)) if decode == "graph" else None
+    attention = resolve_decode_attention("auto", device, lm.config, dtype) if decode == "graph" else None
     graph = GraphDecoder(lm, compile=on_cuda, attention=attention) if attention else None
 
     def hf(sample: bool, tokens: int) -> torch.Tensor:
@@ -395,6 +395,7 @@ def generation(model: str, prompts: int, prompt_len: int, new_tokens: int, decod
             result |= {"greedy_common_prefix_mean": same.mean().item(), "greedy_identical_rows": int((same == 32).sum())}
     best = min(times[1:])
     return {"model": model, "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "decode": decode, **({"decode_attention": attention} if attention else {}), "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
+            "decode": decode, **({"decode_attention": attention} if attention else {}),
+            "cold_s": times[0], "best_s": best, "generated_tokens_per_s": prompts * new_tokens / best,
             **result,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}

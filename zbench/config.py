@@ -132,7 +132,7 @@ class RolloutConfig:
     cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
-    # static cache), auto (triton on a CUDA device where the kernels take the model's head size, else sdpa)
+    # static cache), auto (triton on a CUDA device where the kernels compute the model's attention, else sdpa)
     decode_attention: str = "auto"
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take

@@ -52,10 +52,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def supports(head_dim: int, value_dim: int | None = None) -> bool:
-    """Whether the kernels take heads of this size: a power of 2 from 16 (a tile dimension), keys and values alike.
-    Other sizes (80, 96: Phi-2, Phi-3) stay with SDPA."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and value_dim in (None, head_dim)
+def supports(head_dim: int, value_dim: int | None = None, element_size: int = 2) -> bool:
+    """Whether the kernels take heads of this size and precision: a power of 2 from 16 (a tile dimension), keys and
+    values alike, up to 256 at 2 bytes an element and 128 at 4 (a float32 tile of 256 needs more shared memory than
+    an H100 has). Other heads (80, 96: Phi-2, Phi-3) stay with SDPA."""
+    largest = 256 if element_size <= 2 else 128
+    return 16 <= head_dim <= largest and head_dim & (head_dim - 1) == 0 and value_dim in (None, head_dim)
+
+
+def unsupported(config: Any, dtype: torch.dtype) -> str | None:
+    """Why a transformers model config's attention cannot run on the kernels (None where it can): head sizes they
+    do not take, or attention parts they do not compute, which would send every layer back to SDPA."""
+    heads = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = {heads, getattr(config, "v_head_dim", None) or heads, getattr(config, "qk_head_dim", None) or heads}
+    if len(sizes) > 1 or not supports(heads, element_size=torch.empty((), dtype=dtype).element_size()):
+        return f"heads of {sorted(sizes)} dimensions in {str(dtype).replace('torch.', '')} (the kernels take one " \
+               "size, a power of 2 from 16 to 256, 128 in float32)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "softcapped attention logits"
+    if getattr(config, "model_type", "") == "gpt_oss":
+        return "attention sinks"
+    return None
 
 
 def slices(length: int) -> tuple[int, int]:
@@ -77,15 +94,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     from zbench.engine._decode_kernels import _combine, _partial
 
+    _check(query, key, value, mask)
     batch, heads, group, dim = query.shape
     length = key.shape[2]
-    if not supports(dim, value.shape[-1]) or key.shape != value.shape or key.shape[:2] != (batch, heads) \
-            or key.shape[3] != dim:
-        raise ValueError(f"decode_attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                         f"{tuple(value.shape)}: needs (B, H_kv, G, D) against (B, H_kv, L, D), D a power of 2 >= 16")
-    if mask.dtype != torch.bool or mask.shape != (batch, length):
-        raise ValueError(f"decode_attention: the mask must be bool of shape {(batch, length)} (True: attend); got "
-                         f"{mask.dtype} {tuple(mask.shape)}")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     splits, chunk = slices(length)
     group_p2 = triton.next_power_of_2(group)
@@ -109,4 +120,19 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 @decode_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
+    _check(query, key, value, mask)  # while tracing, not only at the first real call
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the real output
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+    """Shapes, sizes and the mask the kernels read right; anything else would be read wrong, not refused."""
+    batch, heads, _, dim = query.shape
+    length = key.shape[2]
+    if not supports(dim, value.shape[-1], query.element_size()) or key.shape != value.shape \
+            or key.shape[:2] != (batch, heads) or key.shape[3] != dim:
+        raise ValueError(f"decode_attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)} in {query.dtype}: needs (B, H_kv, G, D) against (B, H_kv, L, D), D a "
+                         "power of 2 from 16 to 256 (128 in float32)")
+    if mask.dtype != torch.bool or mask.shape != (batch, length):
+        raise ValueError(f"decode_attention: the mask must be bool of shape {(batch, length)} (True: attend); got "
+                         f"{mask.dtype} {tuple(mask.shape)}")

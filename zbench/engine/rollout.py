@@ -93,7 +93,7 @@ def gqa_decode_attention_skipping(module: nn.Module, query: torch.Tensor, key: t
     # at all, or heads the kernels do not take, stay with SDPA
     one_mask_row = (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
                     and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
-    fits = supports(query.shape[-1], value.shape[-1])
+    fits = supports(query.shape[-1], value.shape[-1], query.element_size())
     if not _one_token_step(module, query, kwargs) or not one_mask_row or not fits:
         return gqa_decode_attention(module, query, key, value, attention_mask, **kwargs)
     batch, heads, _, dim = query.shape
@@ -119,29 +119,26 @@ def use_gqa_decode_attention(model: nn.Module, attention: str = "sdpa") -> None:
     model.set_attn_implementation(GQA_DECODE if attention == "sdpa" else GQA_DECODE_SKIPPING)
 
 
-def resolve_decode_attention(asked: str, device: torch.device, head_dim: int) -> str:
-    """`rollout.decode_attention` as it will run on `device` for heads of `head_dim`: `auto` takes the Triton
-    kernels on a CUDA device where they take such heads, else SDPA; `triton` where they cannot run is an error that
-    says why (on a CPU it needs Triton's interpreter, `TRITON_INTERPRET=1`, which `auto` never picks)."""
+def resolve_decode_attention(asked: str, device: torch.device, config: Any, dtype: torch.dtype) -> str:
+    """`rollout.decode_attention` as it will run on `device` for a model of this transformers `config` in `dtype`:
+    `auto` takes the Triton kernels on a CUDA device where they compute the model's attention, else SDPA;
+    `triton` where they cannot is an error that says why (on a CPU it needs Triton's interpreter,
+    `TRITON_INTERPRET=1`, which `auto` never picks)."""
     from zbench.engine import decode_attention
 
+    why_not = decode_attention.unsupported(config, dtype)
     if asked == "auto":
-        fits = device.type == "cuda" and decode_attention.available(device) and decode_attention.supports(head_dim)
-        return "triton" if fits else "sdpa"
+        runs = device.type == "cuda" and decode_attention.available(device)
+        return "triton" if runs and why_not is None else "sdpa"
     if asked == "triton":
         if not decode_attention.available(device):
-            why = "Triton is not installed" if decode_attention.triton is None else f"the rollout runs on {device.type}"
-            raise RuntimeError(f"rollout.decode_attention=triton: its kernels cannot run here ({why}; they need a "
+            where = "Triton is not installed" if decode_attention.triton is None else f"the rollout runs on {device.type}"
+            raise RuntimeError(f"rollout.decode_attention=triton: its kernels cannot run here ({where}; they need a "
                                "CUDA device and PyTorch's Triton); use sdpa or auto")
-        if not decode_attention.supports(head_dim):
-            raise RuntimeError(f"rollout.decode_attention=triton: the model's heads have {head_dim} dimensions; the "
-                               "kernels take a power of 2 from 16 only: use sdpa or auto")
+        if why_not is not None:
+            raise RuntimeError(f"rollout.decode_attention=triton: the kernels do not compute this model's attention "
+                               f"({why_not}); use sdpa or auto")
     return asked
-
-
-def head_dim_of(config: Any) -> int:
-    """The attention heads' size of a transformers config (`head_dim`, else hidden size / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class GraphDecoder:
@@ -243,7 +240,8 @@ class HFRollout:
         # the CUDA graph re-record each time: it runs the same loop eagerly instead
         compile_step = device.type == "cuda" and not parked
         # the graph loop's attention as it runs (None without the graph loop), for the case's result.json
-        self.decode_attention = (resolve_decode_attention(decode_attention, device, head_dim_of(self.model.config))
+        dtype = next(self.model.parameters()).dtype
+        self.decode_attention = (resolve_decode_attention(decode_attention, device, self.model.config, dtype)
                                  if cuda_graph else None)
         self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention)
                       if self.decode_attention else None)
