@@ -59,22 +59,28 @@ def main() -> None:
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).to(device).eval()
     base = {"model": args.model, "new_tokens": args.new_tokens, "top_p": args.top_p, "sync_every": args.sync_every,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
+
+    def prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch's left-padded prompts on the device: a step's GSM8K prompts (--data) or random tokens."""
+        if args.data:
+            step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
+                                      new_tokens=args.new_tokens)
+            _, _, ids, mask, pad_id, _ = step_prompts(step)
+            pad = -ids.shape[1] % 64  # the trainer pads the graph loop's prompts to a multiple of 64
+            return (torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device),
+                    torch.nn.functional.pad(mask, (pad, 0)).to(device))
+        torch.manual_seed(0)
+        ids = torch.randint(10, min(5000, lm.config.vocab_size), (batch, width), device=device)
+        mask = torch.ones_like(ids)
+        mask[: batch // 2, : width // 4] = 0  # half the rows left-padded, as a bucketed prompt batch is
+        return ids, mask
+
+    # built once, then every attention decodes the same prompts
+    batches = [prompts(b, w) for b in args.batch for w in ([0] if args.data else args.width)]
     for attention in args.attention:
         graph = GraphDecoder(lm, compile=on_cuda, sync_every=args.sync_every, attention=attention)
-        for batch, width in ((b, w) for b in args.batch for w in ([0] if args.data else args.width)):
-            if args.data:
-                step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
-                                          new_tokens=args.new_tokens)
-                _, _, ids, mask, pad_id, _ = step_prompts(step)
-                pad = -ids.shape[1] % 64  # the trainer pads the graph loop's prompts to a multiple of 64
-                ids = torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device)
-                mask = torch.nn.functional.pad(mask, (pad, 0)).to(device)
-                width = ids.shape[1]
-            else:
-                torch.manual_seed(0)
-                ids = torch.randint(10, min(5000, lm.config.vocab_size), (batch, width), device=device)
-                mask = torch.ones_like(ids)
-                mask[: batch // 2, : width // 4] = 0  # half the rows left-padded, as a bucketed prompt batch is
+        for ids, mask in batches:
+            batch, width = ids.shape
 
             def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask, graph: GraphDecoder = graph) -> float:
                 sync()

@@ -123,28 +123,20 @@ def test_strided_inputs_and_a_broadcast_mask():
     assert got.is_contiguous() and torch.allclose(got, expected, atol=1e-5)
 
 
-def test_heads_the_kernels_do_not_take_stay_with_sdpa(tiny, op_calls):  # noqa: F811
-    """A head size that is no power of 2 (Phi-2's 80) goes through SDPA, not into the kernels."""
+@pytest.mark.parametrize(("dim", "mask_rows", "kernel_calls"), [
+    (80, 3, 0),  # a head size that is no power of 2 (Phi-2's): SDPA, not the kernels
+    (16, 1, 1),  # a mask made once for the whole batch: broadcast over the rows, as in SDPA
+])
+def test_the_model_hook_sends_what_the_kernels_take_to_them(tiny, op_calls, dim, mask_rows, kernel_calls):  # noqa: F811
     attn = tiny[0].model.layers[0].self_attn
-    g = torch.Generator().manual_seed(2)
-    query = torch.randn(2, 4, 1, 80, generator=g)
-    key, value = (torch.randn(2, 2, 30, 80, generator=g) for _ in range(2))
-    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
-    got, _ = gqa_decode_attention_skipping(attn, query, key, value, mask, scaling=0.1)
-    expected, _ = gqa_decode_attention(attn, query, key, value, mask, scaling=0.1)
-    assert torch.equal(got, expected) and not op_calls
-
-
-def test_a_mask_made_once_for_the_batch_broadcasts(tiny, op_calls):  # noqa: F811
-    attn = tiny[0].model.layers[0].self_attn
-    g = torch.Generator().manual_seed(3)
-    query = torch.randn(3, 4, 1, 16, generator=g)
-    key, value = (torch.randn(3, 2, 40, 16, generator=g) for _ in range(2))
-    mask = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
+    g = torch.Generator().manual_seed(dim)
+    query = torch.randn(3, 4, 1, dim, generator=g)
+    key, value = (torch.randn(3, 2, 40, dim, generator=g) for _ in range(2))
+    mask = torch.zeros(mask_rows, 1, 1, 40, dtype=torch.bool)
     mask[..., 5:33] = True
     got, _ = gqa_decode_attention_skipping(attn, query, key, value, mask, scaling=0.25)
     expected, _ = gqa_decode_attention(attn, query, key, value, mask, scaling=0.25)
-    assert len(op_calls) == 1 and torch.allclose(got, expected, atol=1e-5)
+    assert len(op_calls) == kernel_calls and torch.allclose(got, expected, atol=1e-5)
 
 
 def test_a_row_that_attends_nothing_gets_zeros():
