@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--trim", nargs="+", default=["on"], choices=("on", "off"),
+                        help="each program loops only between its slice's first and last kept positions (on, the "
+                             "default), or over the whole slice")
     args = parser.parse_args()
 
     length = args.width + args.new_tokens
@@ -81,10 +84,11 @@ def main() -> None:
         sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask4, scale=scale),
                              args.layers, args.repeats)
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
-        for block, chunk, warps, stages in itertools.product(args.block, args.chunk_blocks, args.warps, args.stages):
-            da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES = block, chunk, warps, stages
+        for block, chunk, warps, stages, trim in itertools.product(args.block, args.chunk_blocks, args.warps,
+                                                                   args.stages, args.trim):
+            da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
-                              "stages": stages, "splits": da.slices(length)[0]}
+                              "stages": stages, "trim": trim, "splits": da.slices(length)[0]}
             try:  # a geometry can exceed the GPU's shared memory: say so and go on with the sweep
                 error = (da.decode_attention(q, k, v, mask, scale).float() - reference).abs().max().item()
                 us = graph_time(functools.partial(da.decode_attention, q, k, v, mask, scale), args.layers,

@@ -97,6 +97,25 @@ def test_kernels_equal_sdpa(batch, kv_heads, group, dim, length):
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5), got)
 
 
+def test_slices_kept_only_at_their_edges_or_not_at_all():
+    """Each program loops only between its slice's first and last kept positions: masks whose kept runs start or
+    end on a slice's first or last position, one that keeps a single position, and whole slices kept nowhere
+    between kept ones (length 1100 cuts into 8 slices of 192)."""
+    length = 1100
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(5, 1, 2, 16, generator=g)
+    k, v = (torch.randn(5, 1, length, 16, generator=g) for _ in range(2))
+    mask = torch.zeros(5, length, dtype=torch.bool)
+    mask[0, [0, 191, 192, 1099]] = True  # a slice's edges
+    mask[1, 383:385] = True  # across a slice boundary
+    mask[2, 1099] = True  # the last position alone
+    mask[3, :10] = mask[3, 900:1000] = True  # slices 1-3 kept nowhere between kept ones
+    mask[4, 64:128] = True  # one whole block
+    got = da.decode_attention(q, k, v, mask, 0.25)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=0.25)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_inputs_are_refused_not_misread():
     q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16)
     with pytest.raises(ValueError, match=r"the mask must be bool of shape \(2, 40\)"):

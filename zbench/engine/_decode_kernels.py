@@ -11,7 +11,8 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
              length, chunk, scale,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-             BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr):
+             BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
+             TRIM: tl.constexpr, SCAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -23,7 +24,21 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
     run_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
     lo = s * chunk
-    hi = tl.minimum(lo + chunk, length)
+    hi = tl.maximum(tl.minimum(lo + chunk, length), lo)  # a trailing slice past the cache is empty: hi == lo
+    if TRIM:
+        # the slice's first and last kept positions, from its mask bytes alone (SCAN at a time, one load for a
+        # slice of SCAN or fewer): the loop below runs only over the blocks between them, so left padding and the
+        # cache's unwritten tail cost no iterations (positions masked off between them are skipped by `keep`)
+        first = hi
+        last = lo - 1
+        for start in range(lo, hi, SCAN):
+            n = start + tl.arange(0, SCAN)
+            inside = n < hi
+            kept = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
+            first = tl.minimum(first, tl.min(tl.where(kept, n, hi), 0))
+            last = tl.maximum(last, tl.max(tl.where(kept, n, lo - 1), 0))
+        lo = lo + (first - lo) // BLOCK * BLOCK  # block-aligned; at or past the new `hi` when nothing is kept
+        hi = last + 1
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         n = start + tl.arange(0, BLOCK)
         inside = n < hi
