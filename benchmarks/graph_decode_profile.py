@@ -15,6 +15,8 @@ measurement on stdout. Compare with `benchmarks/vllm_profile.py` at the same row
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import json
 import statistics
 import time
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=DECODE_ATTENTION,
                         help="the decode step's attention: SDPA over the whole cache, or the Triton kernels that "
                              "read only the masked-in positions (each measured in turn, same prompts)")
+    parser.add_argument("--merge", nargs="+", default=["on"], choices=("on", "off"),
+                        help="q/k/v and gate/up as one matrix multiply each (GraphDecoder's default), or as "
+                             "transformers runs them (each measured in turn, on a fresh copy of the model)")
     args = parser.parse_args()
     if args.data and any(b % args.n for b in args.batch):
         parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
@@ -77,8 +82,9 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in ([0] if args.data else args.width)]
-    for attention in args.attention:
-        graph = GraphDecoder(lm, compile=on_cuda, sync_every=args.sync_every, attention=attention)
+    for attention, merge in itertools.product(args.attention, args.merge):
+        graph = GraphDecoder(copy.deepcopy(lm), compile=on_cuda, sync_every=args.sync_every, attention=attention,
+                             merge=merge == "on")
         for ids, mask in batches:
             batch, width = ids.shape
 
@@ -94,7 +100,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
-            row = base | {"attention": attention, "batch": batch, "width": width, "data": args.data or "random",
+            row = base | {"attention": attention, "merged_projections": graph.merged_projections, "batch": batch, "width": width, "data": args.data or "random",
                           "prompt_tokens": int(mask.sum())}
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
                                     "min_s": min(times), "max_s": max(times),

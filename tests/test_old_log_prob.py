@@ -104,7 +104,7 @@ def test_update_without_old_log_probs_is_refused_across_mini_batches():
 def test_case_without_the_pass_records_it(tmp_path: Path):
     """A GRPO case of one mini-batch per step runs no old-log-prob phase, says so in result.json, and still reports
     the statistics that read the old log-probs (from the update's own). It samples with zbench's graph loop (eager
-    on a CPU), whose attention result.json records too."""
+    on a CPU), whose attention and merged projections result.json records too."""
     case = make_case(tmp_path, "grpo", steps=2, algorithm="grpo", rollout__n=4, zero__stage=2,
                      actor__micro_batch_size_per_gpu=8, rollout__cuda_graph=True)
     train(case, timeout=600)
@@ -112,6 +112,8 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     assert result["old_log_prob_pass"] is False
     assert result["fused_head"] is True and result["compiled_layers"] == 0  # what took effect (CPU: eager layers)
     assert result["graph_decode_attention"] == "sdpa"  # auto, where Triton's kernels cannot run
+    # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
+    assert result["graph_merged_projections"] == 4
     # Ray raises its workers' niceness by 15 (its case-sensitive setting RAY_worker_niceness), from what they inherit
     raised = int(os.environ.get("RAY_worker_niceness", 15))  # noqa: SIM112
     assert result["worker_niceness"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + raised)

@@ -187,22 +187,26 @@ def test_the_graph_loop_records_its_attention_and_refuses_triton_where_it_cannot
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
 def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
-    """On CUDA the decode step is compiled and replayed as a CUDA graph with the Triton kernels inside it: its greedy
-    tokens are those of the same loop with SDPA, over left padding and two cache widths (two recordings)."""
-    model, pad_id, eos_ids, input_ids, mask = tiny
+    """On CUDA the decode step is compiled and replayed as a CUDA graph, with the Triton kernels and the merged
+    projections inside it: its greedy tokens are those of the same loop with SDPA and transformers' own projections,
+    over left padding and two cache widths (two recordings)."""
+    _, pad_id, eos_ids, input_ids, mask = tiny
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()  # unmerged
     kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
               "generator": None}
     ids, mask = input_ids.cuda(), mask.cuda()
     wide_ids = torch.cat([ids.new_full((ids.shape[0], 7), pad_id), ids], dim=1)
     wide_mask = torch.cat([mask.new_zeros((mask.shape[0], 7)), mask], dim=1)
     tokens = {}
-    for attention in ("sdpa", "triton"):
-        decoder = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention)
-        tokens[attention] = [decoder.generate(i, m, **kwargs).cpu() for i, m in ((ids, mask), (wide_ids, wide_mask),
-                                                                                  (ids, mask))]
-    for sdpa, triton in zip(tokens["sdpa"], tokens["triton"], strict=True):
-        assert torch.equal(triton, sdpa)
-    assert torch.equal(tokens["triton"][0], tokens["triton"][1])  # extra left padding changes nothing
+    for attention, merge in (("sdpa", False), ("sdpa", True), ("triton", True)):
+        decoder = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, merge=merge)
+        assert decoder.merged_projections == (2 * model.config.num_hidden_layers if merge else 0)
+        tokens[attention, merge] = [decoder.generate(i, m, **kwargs).cpu()
+                                    for i, m in ((ids, mask), (wide_ids, wide_mask), (ids, mask))]
+    for variant in (("sdpa", True), ("triton", True)):
+        for reference, ours in zip(tokens["sdpa", False], tokens[variant], strict=True):
+            assert torch.equal(ours, reference), variant
+    assert torch.equal(tokens["triton", True][0], tokens["triton", True][1])  # extra left padding changes nothing
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:  # the kernels ran
         decoder.generate(ids, mask, **kwargs)
     assert any(e.name == "_partial" for e in prof.events()), "the recorded step fell back to SDPA"

@@ -6,7 +6,8 @@ gathered bucket by bucket so that no more than `bucket_mb` of extra memory is ev
 
 It samples in one of three ways: transformers `generate` with a dynamic cache, the same with a static cache, or
 `GraphDecoder`, zbench's own loop over a static cache whose decode step is captured once as a CUDA graph and
-replayed for every token (no per-token host syncs, no Python between kernels). Its one-token steps attend the
+replayed for every token (no per-token host syncs, no Python between kernels), with the replica's q/k/v and gate/up
+projections merged into one matrix multiply each (`zbench.engine.merged_projections`). Its one-token steps attend the
 grouped key/value heads directly rather than through copies of the whole cache: with SDPA over the whole static
 cache (`gqa_decode_attention`), or with zbench's Triton kernels, which read only the positions each row attends
 (`gqa_decode_attention_skipping`, `zbench.engine.decode_attention`; `rollout.decode_attention`).
@@ -152,9 +153,14 @@ class GraphDecoder:
     prompt widths to a few buckets (the trainer pads to a multiple of 64) to bound the number of recordings.
     """
 
-    def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa"):
+    def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
+                 merge: bool = True):
+        from zbench.engine.merged_projections import merge_projections
+
         use_gqa_decode_attention(model, attention)
         self.attention = attention
+        # q/k/v and gate/up as one matrix multiply each (in place; the weights keep their names for loading)
+        self.merged_projections = merge_projections(model) if merge else 0
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
@@ -245,6 +251,8 @@ class HFRollout:
                                  if cuda_graph else None)
         self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention)
                       if self.decode_attention else None)
+        # the graph loop's projection groups merged into one matrix multiply each (None without the graph loop)
+        self.merged_projections = self.graph.merged_projections if self.graph is not None else None
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
 
     def to(self, device: torch.device | str) -> None:
@@ -301,8 +309,11 @@ class HFRollout:
 
     @torch.no_grad()
     def load_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the replica's parameters by name; returns the bytes copied."""
-        params = dict(self.model.named_parameters())
+        """Copy tensors into the replica's parameters by name (merged projections' rows included); returns the
+        bytes copied."""
+        from zbench.engine.merged_projections import named_weights
+
+        params = named_weights(self.model)
         copied = 0
         for name, tensor in named:
             target = params[name]

@@ -609,8 +609,9 @@ class Trainer:
                 "old_log_prob_pass": cfg.old_log_prob_pass, "rank_nodes": self.info["rank_nodes"],
                 "worker_niceness": self.info.get("niceness"),
                 **({"vllm_model_runner": self.info["model_runner"]} if self.info.get("model_runner") else {}),
-                **({"graph_decode_attention": self.info["decode_attention"]} if self.info.get("decode_attention")
-                   else {}),
+                **({"graph_decode_attention": self.info["decode_attention"],
+                    "graph_merged_projections": self.info.get("merged_projections")}
+                   if self.info.get("decode_attention") else {}),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),
             }

@@ -521,6 +521,7 @@ class PolicyWorker(_Worker):
                 "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
+                "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
