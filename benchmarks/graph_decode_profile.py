@@ -37,6 +37,10 @@ def main() -> None:
                                                    "trainer pads them, as benchmarks/vllm_profile.py sends them; "
                                                    "--width is then unused")
     parser.add_argument("--n", type=int, default=1, help="with --data: samples per prompt (batch / n prompts)")
+    parser.add_argument("--prompt-width", type=int, nargs="+", default=[0],
+                        help="with --data: pad each batch to this width, as the replica does with the Triton "
+                             "attention (`HFRollout.prompt_width`); 0: to the next multiple of 64, as the trainer "
+                             "pads them (each measured in turn)")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -66,12 +70,13 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
 
     def prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch's left-padded prompts on the device: a step's GSM8K prompts (--data) or random tokens."""
+        """One batch's left-padded prompts on the device: a step's GSM8K prompts (--data), padded to `width` (0: to
+        a multiple of 64), or random tokens `width` wide."""
         if args.data:
             step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
                                       new_tokens=args.new_tokens)
             _, _, ids, mask, pad_id, _ = step_prompts(step)
-            pad = -ids.shape[1] % 64  # the trainer pads the graph loop's prompts to a multiple of 64
+            pad = max(-ids.shape[1] % 64, width - ids.shape[1])  # the trainer pads to a multiple of 64
             return (torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device),
                     torch.nn.functional.pad(mask, (pad, 0)).to(device))
         torch.manual_seed(0)
@@ -81,7 +86,7 @@ def main() -> None:
         return ids, mask
 
     # built once, then every attention decodes the same prompts
-    batches = [prompts(b, w) for b in args.batch for w in ([0] if args.data else args.width)]
+    batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
     for attention, merge in itertools.product(args.attention, args.merge):
         graph = GraphDecoder(copy.deepcopy(lm), compile=on_cuda, sync_every=args.sync_every, attention=attention,
                              merge=merge == "on")

@@ -24,6 +24,7 @@ from zbench.engine import decode_attention as da
 from zbench.engine.rollout import (
     GQA_DECODE_SKIPPING,
     GraphDecoder,
+    HFRollout,
     gqa_decode_attention,
     gqa_decode_attention_skipping,
     resolve_decode_attention,
@@ -207,3 +208,25 @@ def test_graph_decoder_tokens_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
 def test_an_unknown_attention_is_refused(tiny):  # noqa: F811
     with pytest.raises(ValueError, match="sdpa, triton"):
         use_gqa_decode_attention(copy.deepcopy(tiny[0]), "flash")
+
+
+def test_rollout_pads_every_batch_to_one_width_with_the_triton_attention(tiny):  # noqa: F811
+    """With the Triton attention, which skips left padding, the replica pads every batch to one width (the longest
+    admitted prompt, rounded up to a multiple of 64): batches of different widths share one cache (on a GPU, one
+    recording of the decode step), and the responses are those of the same loop without the extra padding. With
+    SDPA, which reads the whole cache, widths stay as they come."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0,
+              "static_cache": False, "device": torch.device("cpu"), "cuda_graph": True}
+    fixed = HFRollout(copy.deepcopy(model), decode_attention="triton", prompt_width=100, **common)
+    plain = HFRollout(copy.deepcopy(model), decode_attention="triton", **common)
+    assert fixed.prompt_width == 128 and plain.prompt_width is None
+    assert HFRollout(copy.deepcopy(model), decode_attention="sdpa", prompt_width=100, **common).prompt_width is None
+    wide_ids = torch.cat([input_ids.new_full((input_ids.shape[0], 9), pad_id), input_ids], dim=1)
+    wide_mask = torch.cat([mask.new_zeros((mask.shape[0], 9)), mask], dim=1)
+    assert wide_ids.shape[1] < 128
+    for ids, m in ((input_ids, mask), (wide_ids, wide_mask)):
+        out = fixed.generate(ids, m, seed=0)
+        assert fixed.graph._cache_slot[0] == (ids.shape[0], 128 + 5)  # one cache for both widths
+        assert torch.equal(out["responses"], plain.generate(ids, m, seed=0)["responses"])
+        assert plain.graph._cache_slot[0] == (ids.shape[0], ids.shape[1] + 5)

@@ -129,7 +129,9 @@ class RolloutConfig:
     max_new_tokens: int = 32  # response length cap; longer responses are clipped (response_length/clip_ratio)
     # [experimental] hf on CUDA: transformers' static KV cache and compiled decode step (cuda_graph is faster)
     static_cache: bool = False
-    cuda_graph: bool = False  # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph
+    # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph, q/k/v and gate/up projections
+    # merged (with the triton attention every batch is padded to data.max_prompt_length: one recording a run)
+    cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
     # static cache), auto (triton on a CUDA device where the kernels compute the model's attention, else sdpa)

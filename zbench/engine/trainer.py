@@ -270,7 +270,8 @@ class Trainer:
         prompt_ids = [self.prompts.ids[i] for i in idx for _ in range(n)]
         truths = [self.prompts.truths[i] for i in idx for _ in range(n)]
         group_ids = torch.arange(len(idx)).repeat_interleave(n)
-        # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run
+        # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run (the graph
+        # loop with the Triton attention pads every batch further, to one width: HFRollout.prompt_width)
         static = cfg.rollout.static_cache or cfg.rollout.cuda_graph
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if static else 1)
 
@@ -610,7 +611,8 @@ class Trainer:
                 "worker_niceness": self.info.get("niceness"),
                 **({"vllm_model_runner": self.info["model_runner"]} if self.info.get("model_runner") else {}),
                 **({"graph_decode_attention": self.info["decode_attention"],
-                    "graph_merged_projections": self.info.get("merged_projections")}
+                    "graph_merged_projections": self.info.get("merged_projections"),
+                    "graph_prompt_width": self.info.get("prompt_width")}
                    if self.info.get("decode_attention") else {}),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),

@@ -522,6 +522,7 @@ class PolicyWorker(_Worker):
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
+                "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
@@ -575,7 +576,7 @@ class PolicyWorker(_Worker):
         return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
-                         decode_attention=r.decode_attention)
+                         decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:
