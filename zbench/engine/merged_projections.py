@@ -12,9 +12,13 @@ does the same to a transformers model in place, without touching its forward cod
 - The first sibling (q, gate) computes the whole merged product and leaves it on the group; a later sibling called
   with the very same input tensor takes its columns of it, and the last one clears it. A sibling called with any
   other input multiplies by its own rows, so the result never depends on the call order; it is only faster in the
-  order decoders use. Under `torch.compile` the hand-over is traced away: one matrix multiply, sliced.
+  order decoders use. Under `torch.compile` the hand-over is traced away: one matrix multiply, sliced. The hand-over
+  is keyed on the input tensor's identity: an input changed in place between siblings would be answered from the
+  product before the change (no decoder does that).
 
-The product is the same as the separate ones' up to the matrix-multiply kernel's summation order.
+The product is the same as the separate ones' up to the matrix-multiply kernel's summation order. On an H200 the
+graph loop's rollout of 512 tokens took 1.16 s instead of 1.33 s at 32 rows and 2.33 s instead of 2.52 s at 128
+(results/reference/h200x2-merged-projections-20261127).
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class ProjectionSlice(nn.Module):
         elif self.index == 0:
             product = merged(x)
             merged.handed = (x, product)
-        else:  # another input than the first sibling's: its own rows only
+        else:  # another input than the first sibling's: its own rows only, and nothing is held for later
+            merged.handed = None
             return F.linear(x, self.weight, self.bias)
         return product[..., self.start:self.stop]
 
@@ -90,9 +95,9 @@ def _mergeable(parts: list[Any]) -> bool:
     if not all(type(p) is nn.Linear for p in parts):
         return False
     first = parts[0]
-    return all(p.in_features == first.in_features and p.weight.dtype == first.weight.dtype
-               and p.weight.device == first.weight.device and (p.bias is None) == (first.bias is None)
-               for p in parts)
+    tensors = [t for p in parts for t in (p.weight, p.bias) if t is not None]
+    return (all(p.in_features == first.in_features and (p.bias is None) == (first.bias is None) for p in parts)
+            and all(t.dtype == first.weight.dtype and t.device == first.weight.device for t in tensors))
 
 
 @torch.no_grad()
