@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import itertools
 import json
 import statistics
@@ -58,6 +59,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE
     from zbench.engine.rollout import GraphDecoder
     from zbench.models import resolve_model
 
@@ -65,18 +67,21 @@ def main() -> None:
     device = torch.device("cuda" if on_cuda else "cpu")
     sync = torch.cuda.synchronize if on_cuda else lambda: None
     path = resolve_model(args.model)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).to(device).eval()
+    # kept on the CPU: each variant decodes with a copy of its own on the device, freed before the next
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).eval()
     base = {"model": args.model, "new_tokens": args.new_tokens, "top_p": args.top_p, "sync_every": args.sync_every,
             "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
 
     def prompts(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch's left-padded prompts on the device: a step's GSM8K prompts (--data), padded to `width` (0: to
-        a multiple of 64), or random tokens `width` wide."""
+        """One batch's left-padded prompts on the device: a step's GSM8K prompts (--data), padded to `width` rounded
+        up to the trainer's bucket multiple, as the replica pads them with the Triton attention (0: to the next
+        multiple, as the trainer pads them), or random tokens `width` wide."""
         if args.data:
             step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
                                       new_tokens=args.new_tokens)
             _, _, ids, mask, pad_id, _ = step_prompts(step)
-            pad = max(-ids.shape[1] % 64, width - ids.shape[1])  # the trainer pads to a multiple of 64
+            multiple = PROMPT_WIDTH_MULTIPLE
+            pad = max(-ids.shape[1] % multiple, -(-width // multiple) * multiple - ids.shape[1])
             return (torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device),
                     torch.nn.functional.pad(mask, (pad, 0)).to(device))
         torch.manual_seed(0)
@@ -88,12 +93,13 @@ def main() -> None:
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
     for attention, merge in itertools.product(args.attention, args.merge):
-        graph = GraphDecoder(copy.deepcopy(lm), compile=on_cuda, sync_every=args.sync_every, attention=attention,
-                             merge=merge == "on")
+        graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
+                             attention=attention, merge=merge == "on")
         for ids, mask in batches:
             batch, width = ids.shape
 
-            def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask, graph: GraphDecoder = graph) -> float:
+            def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
+                        graph: GraphDecoder = graph) -> float:
                 sync()
                 start = time.perf_counter()
                 graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
@@ -101,22 +107,29 @@ def main() -> None:
                 sync()
                 return time.perf_counter() - start
 
-            if on_cuda:  # each row's peak memory is its own
+            if on_cuda:  # the peak from here on: an earlier width of this variant still holds its recording's pool
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
-            row = base | {"attention": attention, "merged_projections": graph.merged_projections, "batch": batch, "width": width, "data": args.data or "random",
-                          "prompt_tokens": int(mask.sum())}
+            row = base | {"attention": attention, "merged_projections": graph.merged_projections, "batch": batch,
+                          "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
+            reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
-                                    "min_s": min(times), "max_s": max(times),
-                                    "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None}), flush=True)
+                                    "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved}),
+                  flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 wall = rollout(99)
             kernel_s, top = kernel_table(prof, args.top)
-            print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s,
-                                    "gpu_busy": kernel_s / wall, "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens,
-                                    "top": top}), flush=True)
+            print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
+                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top}), flush=True)
+        # the next variant starts clean: its own compilations (dynamo's recompile limit counts per code object,
+        # which every GraphDecoder shares) and none of this one's memory
+        del graph, rollout
+        torch._dynamo.reset()
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

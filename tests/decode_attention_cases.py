@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_rollout import _decode_logits, tiny  # noqa: F401  (the same model, prompts and decode helper)
+from test_rollout import _decode_logits, tiny, tiny_loaded  # noqa: F401  (the same model, prompts and decode helper)
 
 from zbench.engine import decode_attention as da
 from zbench.engine.rollout import (
@@ -117,6 +117,29 @@ def test_slices_kept_only_at_their_edges_or_not_at_all():
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_slices_longer_than_one_scan(monkeypatch, trim):
+    """A cache of 20,000 positions cuts into 16 slices of 1,280, which the trim scans in two passes of 1,024: kept
+    positions only in a slice's second pass, across the passes' boundary and across two slices' boundary; the
+    untrimmed loop (`TRIM` off, the geometry sweep's other variant) gives the same."""
+    monkeypatch.setattr(da, "TRIM", trim)
+    length = 20_000
+    assert da.slices(length) == (16, 1280)
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(4, 1, 2, 16, generator=g)
+    k, v = (torch.randn(4, 1, length, 16, generator=g) for _ in range(2))
+    mask = torch.zeros(4, length, dtype=torch.bool)
+    mask[0, [1024 + 5, 1280 + 1100, 19_999]] = True  # second passes of slices 0 and 1, and the last position
+    mask[1, 1020:1030] = True  # across the boundary of a slice's two passes
+    mask[2, 1275:1285] = True  # across two slices
+    mask[3, 3 * 1280 + 1024: 5 * 1280 + 7] = True  # a second pass through to the next slice's first
+    got = da.decode_attention(q, k, v, mask, 0.25)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=0.25)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    k2, v2 = k.masked_fill(~mask[:, None, :, None], float("nan")), v.masked_fill(~mask[:, None, :, None], 1e30)
+    assert torch.equal(da.decode_attention(q, k2, v2, mask, 0.25), got)
+
+
 def test_bad_inputs_are_refused_not_misread():
     q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16)
     with pytest.raises(ValueError, match=r"the mask must be bool of shape \(2, 40\)"):
@@ -211,17 +234,17 @@ def test_an_unknown_attention_is_refused(tiny):  # noqa: F811
 
 
 def test_rollout_pads_every_batch_to_one_width_with_the_triton_attention(tiny):  # noqa: F811
-    """With the Triton attention, which skips left padding, the replica pads every batch to one width (the longest
-    admitted prompt, rounded up to a multiple of 64): batches of different widths share one cache (on a GPU, one
-    recording of the decode step), and the responses are those of the same loop without the extra padding. With
-    SDPA, which reads the whole cache, widths stay as they come."""
+    """With the Triton attention, which skips left padding, a compiled replica pads every batch to one width
+    (`one_prompt_width`): batches of different widths share one cache (on a GPU, one recording of the decode step),
+    and the responses are those of the same loop without the extra padding. On a CPU the loop is eager and the
+    width is not set by itself (`test_rollout`), so it is set here."""
     model, pad_id, eos_ids, input_ids, mask = tiny
     common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0,
-              "static_cache": False, "device": torch.device("cpu"), "cuda_graph": True}
-    fixed = HFRollout(copy.deepcopy(model), decode_attention="triton", prompt_width=100, **common)
-    plain = HFRollout(copy.deepcopy(model), decode_attention="triton", **common)
-    assert fixed.prompt_width == 128 and plain.prompt_width is None
-    assert HFRollout(copy.deepcopy(model), decode_attention="sdpa", prompt_width=100, **common).prompt_width is None
+              "static_cache": False, "device": torch.device("cpu"), "cuda_graph": True, "decode_attention": "triton"}
+    fixed = HFRollout(copy.deepcopy(model), prompt_width=100, **common)
+    plain = HFRollout(copy.deepcopy(model), **common)
+    assert fixed.prompt_width is None  # an eager loop records nothing: no padding for it
+    fixed.prompt_width = 128
     wide_ids = torch.cat([input_ids.new_full((input_ids.shape[0], 9), pad_id), input_ids], dim=1)
     wide_mask = torch.cat([mask.new_zeros((mask.shape[0], 9)), mask], dim=1)
     assert wide_ids.shape[1] < 128

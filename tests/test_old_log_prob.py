@@ -114,6 +114,7 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     assert result["graph_decode_attention"] == "sdpa"  # auto, where Triton's kernels cannot run
     # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
     assert result["graph_merged_projections"] == 4
+    assert result["graph_prompt_width"] is None  # widths as they come: the eager loop records nothing to reuse
     # Ray raises its workers' niceness by 15 (its case-sensitive setting RAY_worker_niceness), from what they inherit
     raised = int(os.environ.get("RAY_worker_niceness", 15))  # noqa: SIM112
     assert result["worker_niceness"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + raised)

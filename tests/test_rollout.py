@@ -15,6 +15,7 @@ from zbench.engine.rollout import (
     GraphDecoder,
     HFRollout,
     gqa_decode_attention,
+    one_prompt_width,
     resolve_decode_attention,
     response_mask_from,
     sample_tokens,
@@ -24,7 +25,7 @@ from zbench.models import resolve_model, special_ids
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_loaded():
     path = resolve_model("tiny")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
@@ -36,6 +37,14 @@ def tiny():
     ids[4] = ids[4][5:]
     input_ids, mask = left_pad(ids, pad_id, multiple=1)
     return model, pad_id, eos_ids, input_ids, mask
+
+
+@pytest.fixture
+def tiny(tiny_loaded):
+    """The tiny model (a copy per test: `GraphDecoder` merges its projections and switches its attention in place)
+    and six left-padded chat prompts."""
+    model, *rest = tiny_loaded
+    return copy.deepcopy(model), *rest
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
@@ -101,6 +110,21 @@ def test_compiled_decode_step_matches_the_eager_loop(tiny):
     compiled = GraphDecoder(model, compile=True)
     assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
     assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager)
+
+
+def test_one_prompt_width_only_where_a_recorded_loop_skips_the_padding(tiny):
+    """The compiled loop with the Triton attention pads to the longest admitted prompt, rounded up to the trainer's
+    bucket multiple; SDPA (which reads the padding) and the eager loop (which records nothing) keep widths as they
+    come. A CPU replica's loop is eager."""
+    assert one_prompt_width(512, True, "triton") == 512
+    assert one_prompt_width(100, True, "triton") == 128
+    assert one_prompt_width(100, False, "triton") is None  # a parked replica, a CPU
+    assert one_prompt_width(100, True, "sdpa") is None
+    assert one_prompt_width(None, True, "triton") is None
+    model, pad_id, eos_ids, *_ = tiny
+    rollout = HFRollout(model, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=4, temperature=0.0, top_p=1.0,
+                        static_cache=False, device=torch.device("cpu"), cuda_graph=True, prompt_width=100)
+    assert rollout.prompt_width is None
 
 
 def test_one_kv_cache_is_held_at_a_time(tiny):
@@ -190,8 +214,7 @@ def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
     """On CUDA the decode step is compiled and replayed as a CUDA graph, with the Triton kernels and the merged
     projections inside it: its greedy tokens are those of the same loop with SDPA and transformers' own projections,
     over left padding and two cache widths (two recordings)."""
-    _, pad_id, eos_ids, input_ids, mask = tiny
-    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()  # unmerged
+    model, pad_id, eos_ids, input_ids, mask = tiny
     kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
               "generator": None}
     ids, mask = input_ids.cuda(), mask.cuda()

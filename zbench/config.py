@@ -130,7 +130,8 @@ class RolloutConfig:
     # [experimental] hf on CUDA: transformers' static KV cache and compiled decode step (cuda_graph is faster)
     static_cache: bool = False
     # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph, q/k/v and gate/up projections
-    # merged (with the triton attention every batch is padded to data.max_prompt_length: one recording a run)
+    # merged; with the triton attention every batch is padded to data.max_prompt_length (to a multiple of 64): one
+    # recording a run, its largest KV cache from the first step
     cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 Batch = dict[str, torch.Tensor]
+# prompt widths for a static KV cache (a compiled decode step per width) are rounded up to a multiple of this
+PROMPT_WIDTH_MULTIPLE = 64
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

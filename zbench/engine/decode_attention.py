@@ -10,7 +10,8 @@ Split-K ("flash decoding"): `_partial` runs one program per (row, key/value head
 with the query heads that share the key/value head as the rows of its tile (grouped-query attention reads each key
 once). It first reads its slice's mask bytes for the first and last kept positions and loops only over the blocks
 between them, so a slice of padding or unwritten cache costs one mask load, not an iteration per block (`TRIM`;
-18 % of the kernel's time at 32 and 128 rows on an H200, results/reference/h200x2-merged-projections-20261127).
+it takes 18 % off the kernel's time at 32 and 128 rows on an H200,
+results/reference/h200x2-merged-projections-20261127).
 It keeps the running max, normaliser and weighted sum of its slice in float32; `_combine` rescales the slices
 to their common max and adds them up. Both launch with a fixed grid and no host sync, so they are recorded into the
 decode step's CUDA graph like any kernel; `torch.compile` sees them as one opaque operator (`zbench::decode_attention`).

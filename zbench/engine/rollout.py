@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE
+
 GQA_DECODE = "zbench_gqa_decode"
 GQA_DECODE_SKIPPING = "zbench_gqa_decode_skipping"
 DECODE_ATTENTION = ("sdpa", "triton")  # GraphDecoder's one-token attention: the whole cache, or the masked-in part
@@ -142,6 +144,21 @@ def resolve_decode_attention(asked: str, device: torch.device, config: Any, dtyp
     return asked
 
 
+def one_prompt_width(longest: int | None, compiled: bool, attention: str | None) -> int | None:
+    """The width the graph loop pads every batch of prompts to, or None where it keeps the width each batch comes
+    with (the trainer's buckets, multiples of `PROMPT_WIDTH_MULTIPLE`).
+
+    The compiled loop records its decode step once per (rows, cache length), 35-47 s on an H200. The Triton attention
+    skips left padding, so there every batch is padded to the longest prompt a case admits (`longest`), rounded up
+    to a multiple of `PROMPT_WIDTH_MULTIPLE`: a run records once, and its largest cache is allocated by the first
+    rollout, at a cost of 3-4 % of a rollout (results/reference/h200x2-merged-projections-20261127). With SDPA,
+    which reads the whole cache, and in the eager loop (a parked replica, a CPU), which records nothing, widths stay
+    as they come."""
+    if not longest or not compiled or attention != "triton":
+        return None
+    return -(-longest // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length) and
@@ -254,12 +271,8 @@ class HFRollout:
                       if self.decode_attention else None)
         # the graph loop's projection groups merged into one matrix multiply each (None without the graph loop)
         self.merged_projections = self.graph.merged_projections if self.graph is not None else None
-        # the graph loop records its decode step once per (rows, cache length), 35-47 s on an H200. The
-        # Triton attention skips left padding, so there every batch is padded to one width, `prompt_width` (the
-        # longest prompt a case admits) rounded up to a multiple of 64: a run records once, and its largest cache
-        # is allocated by the first rollout. With SDPA, which reads the whole cache, widths stay as they come.
-        self.prompt_width = (-(-prompt_width // 64) * 64 if prompt_width and self.decode_attention == "triton"
-                             else None)
+        # the one width every batch is padded to (None: widths as they come)
+        self.prompt_width = one_prompt_width(prompt_width, compile_step, self.decode_attention)
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
 
     def to(self, device: torch.device | str) -> None:

@@ -32,6 +32,7 @@ import torch
 from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config, trial_differences
 from zbench.engine import algos
 from zbench.engine.batches import (
+    PROMPT_WIDTH_MULTIPLE,
     gather,
     left_pad,
     mini_batch_tokens,
@@ -273,7 +274,7 @@ class Trainer:
         # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run (the graph
         # loop with the Triton attention pads every batch further, to one width: HFRollout.prompt_width)
         static = cfg.rollout.static_cache or cfg.rollout.cuda_graph
-        p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=64 if static else 1)
+        p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=PROMPT_WIDTH_MULTIPLE if static else 1)
 
         with self._timed("gen"):
             tp = cfg.rollout.tensor_parallel_size
