@@ -59,7 +59,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE
+    from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
     from zbench.engine.rollout import GraphDecoder
     from zbench.models import resolve_model
 
@@ -80,8 +80,7 @@ def main() -> None:
             step = argparse.Namespace(model=args.model, data=args.data, prompts=batch // args.n, n=args.n,
                                       new_tokens=args.new_tokens)
             _, _, ids, mask, pad_id, _ = step_prompts(step)
-            multiple = PROMPT_WIDTH_MULTIPLE
-            pad = max(-ids.shape[1] % multiple, -(-width // multiple) * multiple - ids.shape[1])
+            pad = max(aligned(ids.shape[1], PROMPT_WIDTH_MULTIPLE), aligned(width, PROMPT_WIDTH_MULTIPLE)) - ids.shape[1]
             return (torch.nn.functional.pad(ids, (pad, 0), value=pad_id).to(device),
                     torch.nn.functional.pad(mask, (pad, 0)).to(device))
         torch.manual_seed(0)

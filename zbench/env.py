@@ -21,8 +21,8 @@ VERSIONED_PACKAGES = ("torch", "deepspeed", "ray", "transformers", "vllm", "trit
 # environment variables that change what a case runs or how fast, recorded with the run: vLLM, NCCL, Ray, CUDA,
 # torch, Triton and DeepSpeed settings, thread counts, offline switches (`VLLM_USE_V2_MODEL_RUNNER=0` picks another
 # model runner; `RAY_worker_niceness` the workers' priority; `TRITON_INTERPRET=1` runs Triton kernels interpreted)
-RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_", "DS_", "OMP_",
-                              "MKL_", "TOKENIZERS_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+RECORDED_VARIABLE_PREFIXES = ("VLLM_", "NCCL_", "RAY_", "CUDA_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_",
+                              "DS_", "OMP_", "MKL_", "TOKENIZERS_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # set by zbench itself for the processes that use them, whatever the harness had: the trainer's worker environment
 # (zbench.engine.trainer: threads, tokenizers, the CPU accelerator) and the in-process vLLM engine
 # (zbench.engine.vllm_rollout); recording the harness's value would name one the workers never ran with

@@ -16,7 +16,7 @@ PROMPT_WIDTH_MULTIPLE = 64
 
 def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ids and attention mask, to a width rounded up to `multiple`."""
-    width = -(-max(len(s) for s in seqs) // multiple) * multiple
+    width = aligned(max(len(s) for s in seqs), multiple)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -73,7 +73,8 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
-def _aligned(width: int, align: int) -> int:
+def aligned(width: int, align: int) -> int:
+    """`width` rounded up to a multiple of `align`."""
     return -(-width // align) * align
 
 
@@ -84,7 +85,7 @@ def trim_left_padding(mb: Batch, align: int = 1) -> Batch:
     rounded up to a multiple of it (more padding on the left, masked, where the batch is narrower)."""
     width = mb["attention_mask"].shape[1]
     first = int(mb["attention_mask"].any(0).int().argmax())  # every row has a prompt token: a column has one
-    keep = _aligned(width - first, align)
+    keep = aligned(width - first, align)
     if keep > width:  # wider than the batch: masked columns in front
         extra = keep - width
         return {k: torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1)
@@ -116,7 +117,7 @@ def shift_padding_right(mb: Batch, align: int = 1) -> Batch:
     # each row's last response token (its EOS): the mask is a prefix, but its end is read as the last 1 anyway
     ends = (mb["response_mask"] * torch.arange(1, resp + 1, device=mask.device)[None]).amax(1)
     tokens = prompt_len + ends
-    keep = _aligned(int(tokens.max()), align)
+    keep = aligned(int(tokens.max()), align)
     cols = (torch.arange(keep, device=mask.device)[None] + pad[:, None]) % width  # the row's padding wraps to its end
     out = {k: v for k, v in mb.items() if k not in ("input_ids", "attention_mask", "position_ids")}
     out["input_ids"] = mb["input_ids"].gather(1, cols)

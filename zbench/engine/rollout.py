@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE
+from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
 
 GQA_DECODE = "zbench_gqa_decode"
 GQA_DECODE_SKIPPING = "zbench_gqa_decode_skipping"
@@ -156,7 +156,7 @@ def one_prompt_width(longest: int | None, compiled: bool, attention: str | None)
     as they come."""
     if not longest or not compiled or attention != "triton":
         return None
-    return -(-longest // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE
+    return aligned(longest, PROMPT_WIDTH_MULTIPLE)
 
 
 class GraphDecoder:
