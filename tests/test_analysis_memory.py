@@ -209,3 +209,37 @@ def test_ppo_peak_counts_the_critics_cached_pass_as_measured_on_two_h200s():
         assert (g.peak_bytes - g.critic) / 2**30 < 0.7 * measured, row["case"]
         on_cpu = geometry_memory(cfg, False)
         assert on_cpu.critic == 0 and on_cpu.peak_bytes == on_cpu.states + max(on_cpu.training, on_cpu.forward)
+
+
+def test_graph_loop_kv_cache_is_held_through_training():
+    """The hf backend's CUDA-graph loop (a GPU default where its replica stays on the GPU) keeps its static KV cache
+    through training: every row of a rank at the widest prompt (rounded up to the trainer's multiple) plus the new
+    tokens, each token 2 x layers x KV heads x head dim at bf16. It adds to the peak, where vLLM's cache is released
+    before training; a parked replica (optimizer offloaded) and vLLM hold none, and `zbench estimate` shows it."""
+    from zbench.analyze.activations import geometry_memory
+    from zbench.analyze.memory import target_cases
+    from zbench.config import parse_set
+
+    sets = ["model.path=qwen3-0.6b", "trainer.world_size=2", "trainer.train_batch_size=64",
+            "actor.ppo_mini_batch_size=64", "data.max_prompt_length=500", "rollout.max_new_tokens=512"]
+
+    def case(name: str, *more: str):
+        [(_, cfg, cuda)] = target_cases("six-case", True, tuple(parse_set(s) for s in (*sets, *more)), (name,))
+        return cfg, geometry_memory(cfg, cuda, 141 * 2**30)
+
+    loop_cfg, loop = case("zero1_no_offload")
+    assert loop_cfg.rollout.backend == "hf" and loop_cfg.rollout.cuda_graph
+    assert loop.held_kv == 32 * (512 + 512) * 2 * 28 * 8 * 128 * 2 and loop.kv_cache == 0
+    assert loop.peak_bytes == loop.states + loop.critic + loop.held_kv + max(loop.training, loop.forward)
+    vllm = case("zero1_no_offload", "rollout.backend=vllm")[1]
+    assert vllm.held_kv == 0 and vllm.kv_cache > 0 and vllm.kv_cache < max(vllm.training, vllm.forward)
+    assert loop.peak_bytes - vllm.peak_bytes == loop.held_kv
+    assert case("zero1_cpu_offload")[1].held_kv == 0  # parked: the loop runs eagerly, its cache dropped each time
+    assert case("zero1_no_offload", "rollout.cuda_graph=false")[1].held_kv == 0
+    assert geometry_memory(loop_cfg, False).held_kv == 0
+    res = CliRunner().invoke(app, ["estimate", "six-case", "--device", "cuda", "--device-memory", "141",
+                                   "--cases", "zero1_no_offload", *[a for s in sets for a in ("--set", s)]])
+    assert res.exit_code == 0, res.output
+    row = res.output.splitlines()[1].split()
+    assert float(row[11]) == pytest.approx(loop.held_kv / 2**30, abs=0.01)
+    assert float(row[-4]) == pytest.approx(loop.peak_gb, abs=0.01)

@@ -16,6 +16,7 @@ from zbench.config import (
     from_dict,
     load_case_config,
     parse_set,
+    replica_parks,
 )
 from zbench.harness.matrix import expand, load_matrix, shipped_matrices
 
@@ -250,6 +251,32 @@ def test_committed_run_roots_stay_readable() -> None:
     with pytest.raises(ConfigError, match=r"rollout.request_seeds: False is no longer supported"):
         from_dict({"rollout": {"request_seeds": False}})
     assert from_dict({"rollout": {"request_seeds": True}}) == from_dict({})
+
+
+def test_gpu_hf_cases_take_the_graph_loop_where_the_replica_stays() -> None:
+    """On CUDA an hf (or auto) case that names neither decode loop takes the CUDA-graph loop, unless its replica is
+    parked off the GPU between rollouts (optimizer offloaded: the loop would run eagerly there); a named loop, vLLM
+    and the CPU keep theirs."""
+    ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
+           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512)]
+
+    def loops(*sets: tuple[str, object], matrix: str = "six-case") -> dict[str, bool]:
+        cases = expand(load_matrix(matrix), sets=[*ref, *sets], device_defaults=True)
+        return {c.name: c.config.rollout.cuda_graph for c in cases}
+
+    parked = {"zero1_cpu_offload", "zero2_cpu_offload", "zero3_cpu_offload"}
+    for backend in ("hf", "auto"):
+        assert loops(("rollout.backend", backend)) == {
+            name: name not in parked for name in loops(("rollout.backend", backend))}, backend
+    assert replica_parks(from_dict({"zero": {"stage": 3, "offload": "auto"}}))
+    assert not replica_parks(from_dict({"zero": {"stage": 3, "offload": "none"}}))
+    z1 = expand(load_matrix("six-case"), sets=ref, device_defaults=True)[0]
+    assert z1.device_defaults["rollout.cuda_graph"] is True and z1.config.rollout.decode_attention == "auto"
+    assert not any(loops(("rollout.backend", "vllm")).values())
+    assert not any(loops(("rollout.static_cache", True)).values())
+    assert not any(loops(("rollout.cuda_graph", False)).values())
+    cpu = expand(load_matrix("six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)[0]
+    assert not cpu.config.rollout.cuda_graph and cpu.device_defaults == {}
 
 
 def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:

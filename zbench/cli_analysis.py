@@ -235,14 +235,15 @@ def estimate(
         plain, ckpt = (("none" if m is None else str(m)) for m in fit) if fit else ("-", "-")
         typer.echo(f"{e.case:<{width}}{e.algorithm:>5}{e.stage:>6} {e.offload_effective:<24}{e.world_size:>6}"
                    f"{e.precision:>10}{e.n_params:>15,}{e.gpu_bytes / GIB:>11.2f}{e.cpu_bytes / GIB:>9.2f}"
-                   f"{e.nvme_bytes / GIB:>9.2f}{max(g.training, g.forward) / GIB:>11.2f}{g.kv_cache / GIB:>8.2f}"
+                   f"{e.nvme_bytes / GIB:>9.2f}{max(g.training, g.forward) / GIB:>11.2f}{(g.kv_cache + g.held_kv) / GIB:>8.2f}"
                    f"{g.critic / GIB:>11.2f}{g.peak_gb:>9.2f}{fits:>6}{plain:>11}{ckpt:>10}")
     typer.echo("per rank: states = model states on the device (host memory when the case trains on CPU); host / NVMe = "
                "states offloaded there; passes = the largest training or gradient-free micro-batch's activations and "
-               "logits (upper bound: full-length sequences); KV = vLLM's cache; critic = PPO's critic's largest pass, "
-               "which its process keeps cached on a GPU while the actor trains and vLLM generates; peak = states + "
-               "critic + the larger of passes and KV (vLLM sleeps, its cache released, while the model trains; on "
-               "CPU: the host, every rank, the critic's passes counted among the passes). "
+               "logits (upper bound: full-length sequences); KV = the rollout's cache (vLLM's, or the hf graph loop's); "
+               "critic = PPO's critic's largest pass, which its process keeps cached on a GPU while the actor trains "
+               "and vLLM generates; peak = states + critic + the larger of passes and KV (vLLM sleeps, its cache "
+               "released, while the model trains; the graph loop's cache stays: it adds to the peak; on CPU: the "
+               "host, every rank, the critic's passes counted among the passes). "
                "precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
     if any(cuda for _, _, cuda, _ in rows):
         typer.echo(f"fits: peak within {gpu_bytes / GIB:.1f} GB of one GPU; fit micro / fit ckpt: the largest "

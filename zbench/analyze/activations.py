@@ -10,7 +10,10 @@ The terms are upper bounds at full length (every sequence `data.max_prompt_lengt
   in the training passes and in the gradient-free ones (log-probs of the actor and reference) alike: for the whole
   micro-batch, or with `model.fused_head` for one chunk of `zbench.engine.lm_head.DEFAULT_CHUNK_TOKENS` at most;
 - vLLM's KV cache: fitted to one rollout (`rollout.kv_cache_fit`, as `zbench.engine.vllm_rollout` sizes it), or the
-  share `rollout.gpu_memory_utilization` of the device.
+  share `rollout.gpu_memory_utilization` of the device;
+- the hf backend's CUDA-graph decode loop (`rollout.cuda_graph`, a replica that stays on the GPU): its static KV
+  cache, every row of a rank at the widest prompt plus `rollout.max_new_tokens`, which its recorded graph holds
+  through training.
 
 What no formula holds (the CUDA context, allocator slack, the runtime's own buffers, a CPU process's interpreter
 and libraries) is measured once per case by the tuner and added as an offset (`zbench.harness.tune`).
@@ -23,7 +26,8 @@ from types import SimpleNamespace
 
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
 from zbench.analyze.model_size import model_config
-from zbench.config import RunConfig, with_overrides
+from zbench.config import RunConfig, replica_parks, with_overrides
+from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
 from zbench.engine.lm_head import DEFAULT_CHUNK_TOKENS
 
 LOGIT_BYTES = 2 * 4  # fp32 logits and their log-softmax, per token and vocabulary entry
@@ -38,6 +42,7 @@ class GeometryMemory:
     forward: int  # the largest gradient-free micro-batch's logits and one layer's working set
     kv_cache: int  # vLLM's KV cache on this rank
     critic: int = 0  # on a GPU, the critic's largest pass, which its process keeps cached through the others
+    held_kv: int = 0  # the graph loop's static KV cache, held through training
 
     @property
     def peak_bytes(self) -> int:
@@ -49,8 +54,11 @@ class GeometryMemory:
         The critic trains in a process of its own, whose allocator keeps the blocks of its largest pass while the
         actor trains and vLLM generates: measured on 2 x H200 at the reference PPO config, each decoder layer that
         keeps its activations added about 2.8 GB to the training phase, actor and critic together, and the
-        generation phase grew by the critic's share (results/reference/h200x2-ppo-20261126)."""
-        return self.states + self.critic + max(self.training, self.forward, self.kv_cache)
+        generation phase grew by the critic's share (results/reference/h200x2-ppo-20261126).
+
+        The graph loop's KV cache is recorded into its CUDA graph by address, so it stays allocated while the
+        model trains (`held_kv`)."""
+        return self.states + self.critic + self.held_kv + max(self.training, self.forward, self.kv_cache)
 
     @property
     def peak_gb(self) -> float:
@@ -137,10 +145,14 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
             kv = fitted_kv_cache_bytes(shape, sequences, seq, r.tensor_parallel_size)
         else:
             kv = int(r.gpu_memory_utilization * device_bytes)
+    held = 0
+    if on_cuda and cfg.rollout.backend == "hf" and cfg.rollout.cuda_graph and not replica_parks(cfg):
+        width = aligned(cfg.data.max_prompt_length, PROMPT_WIDTH_MULTIPLE) + cfg.rollout.max_new_tokens
+        held = cfg.batch_plan().sequences_per_rank * width * 2 * d.num_layers * d.num_kv_heads * d.head_dim * p
     if not on_cuda:  # every rank's states and passes live in the one host's memory
         ranks = cfg.trainer.world_size
         return GeometryMemory(states=states * ranks, training=training * ranks, forward=forward * ranks, kv_cache=0)
-    return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv, critic=critic)
+    return GeometryMemory(states=states, training=training, forward=forward, kv_cache=kv, critic=critic, held_kv=held)
 
 
 def largest_fitting_micro(cfg: RunConfig, checkpointing: bool, device_bytes: int, dims: ModelDims | None = None

@@ -167,7 +167,8 @@ class GraphDecoder:
     runs eagerly, which is how it is tested against `generate`.
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
-    prompt widths to a few buckets (the trainer pads to a multiple of 64) to bound the number of recordings.
+    prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple
+    of 64) to bound the number of recordings.
     """
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",

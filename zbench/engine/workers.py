@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload
+from zbench.config import ConfigError, RunConfig, effective_offload, replica_parks
 from zbench.engine import algos, build_lock, cpu_info, lm_head
 from zbench.engine.batches import (
     Batch,
@@ -571,7 +571,7 @@ class PolicyWorker(_Worker):
         if any(hasattr(p, "ds_id") for p in replica.parameters()):
             raise RuntimeError("the rollout replica was partitioned by ZeRO-3; it must hold full weights")
         self.replica_home = self.device
-        self.park_replica = self.on_cuda and self.offload.optimizer != "none"
+        self.park_replica = self.on_cuda and replica_parks(self.cfg)
         replica.to("cpu" if self.park_replica else self.device)
         return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
