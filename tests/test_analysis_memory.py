@@ -236,6 +236,10 @@ def test_graph_loop_kv_cache_is_held_through_training():
     assert loop.peak_bytes - vllm.peak_bytes == loop.held_kv
     assert case("zero1_cpu_offload")[1].held_kv == 0  # parked: the loop runs eagerly, its cache dropped each time
     assert case("zero1_no_offload", "rollout.cuda_graph=false")[1].held_kv == 0
+    # auto: the loop where it takes it (PPO's 32 rows a rank at ZeRO-1), vLLM's released cache at ZeRO-3
+    assert case("zero1_no_offload", "rollout.backend=auto")[1] == loop
+    auto_z3 = case("zero3_no_offload", "rollout.backend=auto")[1]
+    assert auto_z3.held_kv == 0 and auto_z3.kv_cache == case("zero3_no_offload", "rollout.backend=vllm")[1].kv_cache
     assert geometry_memory(loop_cfg, False).held_kv == 0
     res = CliRunner().invoke(app, ["estimate", "six-case", "--device", "cuda", "--device-memory", "141",
                                    "--cases", "zero1_no_offload", *[a for s in sets for a in ("--set", s)]])
@@ -243,3 +247,29 @@ def test_graph_loop_kv_cache_is_held_through_training():
     row = res.output.splitlines()[1].split()
     assert float(row[11]) == pytest.approx(loop.held_kv / 2**30, abs=0.01)
     assert float(row[-4]) == pytest.approx(loop.peak_gb, abs=0.01)
+
+
+ONE_WIDTH_RUN = Path(__file__).parents[1] / "results/reference/h200x2-one-width-20261127"
+
+
+def test_graph_loop_measured_peak_over_vllm_is_its_held_cache_and_replica():
+    """PPO ZeRO-1 and ZeRO-2 on 2 x H200, the graph loop against vLLM in one run: the graph cases' measured peaks
+    exceed vLLM's by at least the loop's held KV cache, as predicted, and by no more than that and the replica's
+    weights, which the model counts for both backends though a sleeping vLLM takes them off the GPU while the model
+    trains."""
+    import csv
+
+    from zbench.analyze.activations import geometry_memory
+    from zbench.analyze.memory import estimate_case
+    from zbench.config import load_case_config
+
+    [root] = ONE_WIDTH_RUN.glob("gpu-ppo_*")
+    with open(root / "summary.tsv", newline="") as f:
+        rows = {r["case"]: r for r in csv.DictReader(f, delimiter="\t")}
+    for stage in ("zero1", "zero2"):
+        graph_cfg, vllm_cfg = (load_case_config(root / f"{stage}_{b}" / "config.yaml") for b in ("graph", "vllm"))
+        graph, vllm = geometry_memory(graph_cfg, True), geometry_memory(vllm_cfg, True)
+        assert graph.peak_bytes - vllm.peak_bytes == graph.held_kv > 0
+        measured = float(rows[f"{stage}_graph"]["device_memory_used_gb"]) - float(rows[f"{stage}_vllm"]["device_memory_used_gb"])
+        replica = estimate_case(graph_cfg, on_cuda=True).replica_bytes
+        assert graph.held_kv / 2**30 <= measured <= (graph.held_kv + replica) / 2**30, stage

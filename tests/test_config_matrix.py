@@ -10,13 +10,16 @@ import pytest
 
 from zbench.config import (
     ConfigError,
+    auto_takes_graph_loop,
     critic_overlap_faster,
     dump_yaml,
     effective_offload,
     from_dict,
+    graph_loop_measured,
     load_case_config,
     parse_set,
     replica_parks,
+    with_overrides,
 )
 from zbench.harness.matrix import expand, load_matrix, shipped_matrices
 
@@ -253,30 +256,79 @@ def test_committed_run_roots_stay_readable() -> None:
     assert from_dict({"rollout": {"request_seeds": True}}) == from_dict({})
 
 
-def test_gpu_hf_cases_take_the_graph_loop_where_the_replica_stays() -> None:
-    """On CUDA an hf (or auto) case that names neither decode loop takes the CUDA-graph loop, unless its replica is
-    parked off the GPU between rollouts (optimizer offloaded: the loop would run eagerly there); a named loop, vLLM
-    and the CPU keep theirs."""
+def test_gpu_hf_cases_take_the_graph_loop_where_it_has_run_fast(tmp_path: Path) -> None:
+    """On CUDA an hf case that names neither decode loop takes the CUDA-graph loop where it has run inside cases with
+    its Triton attention: ZeRO-1/2 with the replica on the GPU (not parked off it by an offloaded optimizer), a model
+    whose attention the kernels compute. A named loop or attention, vLLM and the CPU keep theirs; naming the loop's
+    attention alone turns the loop on."""
     ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
-           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512)]
+           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512),
+           ("model.path", "qwen3-0.6b")]
 
     def loops(*sets: tuple[str, object], matrix: str = "six-case") -> dict[str, bool]:
         cases = expand(load_matrix(matrix), sets=[*ref, *sets], device_defaults=True)
         return {c.name: c.config.rollout.cuda_graph for c in cases}
 
-    parked = {"zero1_cpu_offload", "zero2_cpu_offload", "zero3_cpu_offload"}
-    for backend in ("hf", "auto"):
-        assert loops(("rollout.backend", backend)) == {
-            name: name not in parked for name in loops(("rollout.backend", backend))}, backend
+    measured = {"zero1_no_offload", "zero2_no_offload"}
+    assert loops() == {name: name in measured for name in loops()}
+    assert {n for n, on in loops(matrix="grpo-six-case").items() if on} == measured  # any number of rows
+    assert {n for n, on in loops(matrix="ddp-vs-zero").items() if on} == {"zero1_no_ac", "zero1_ac", "zero2_no_ac",
+                                                                         "zero2_ac"}  # not ZeRO-0
     assert replica_parks(from_dict({"zero": {"stage": 3, "offload": "auto"}}))
     assert not replica_parks(from_dict({"zero": {"stage": 3, "offload": "none"}}))
     z1 = expand(load_matrix("six-case"), sets=ref, device_defaults=True)[0]
     assert z1.device_defaults["rollout.cuda_graph"] is True and z1.config.rollout.decode_attention == "auto"
+    assert graph_loop_measured(z1.config)
     assert not any(loops(("rollout.backend", "vllm")).values())
     assert not any(loops(("rollout.static_cache", True)).values())
     assert not any(loops(("rollout.cuda_graph", False)).values())
+    # SDPA records each new prompt width again: no default there, but a named attention asks for the loop
+    assert not graph_loop_measured(with_overrides(z1.config, {"rollout.decode_attention": "sdpa"}))
+    assert all(loops(("rollout.decode_attention", "sdpa")).values())
+    # heads of 80 dimensions: the Triton kernels do not take them (a local model directory of that shape)
+    from transformers import Qwen3Config
+
+    odd = tmp_path / "qwen3-hd80"
+    Qwen3Config(hidden_size=640, num_attention_heads=8, num_key_value_heads=4, head_dim=80, num_hidden_layers=2,
+                intermediate_size=1024, vocab_size=1000).save_pretrained(odd)
+    assert not graph_loop_measured(with_overrides(z1.config, {"model.path": str(odd)}))
     cpu = expand(load_matrix("six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)[0]
     assert not cpu.config.rollout.cuda_graph and cpu.device_defaults == {}
+
+
+def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:
+    """`rollout.backend=auto` on a GPU takes the graph loop for PPO at up to 32 rows a rank, ZeRO-1/2, the replica on
+    the GPU, and nothing only vLLM does; vLLM elsewhere. Where vLLM runs it gets its fitted KV cache and no loop
+    setting, where the loop runs it gets the loop and no vLLM setting, and the memory model holds the loop's cache."""
+    from zbench.analyze.activations import geometry_memory
+
+    ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
+           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512),
+           ("model.path", "qwen3-0.6b"), ("rollout.backend", "auto")]
+
+    def loop(matrix: str, *sets: tuple[str, object]) -> dict[str, bool]:
+        cases = expand(load_matrix(matrix), sets=[*ref, *sets], device_defaults=True)
+        for c in cases:
+            taken = auto_takes_graph_loop(c.config)
+            assert c.config.rollout.kv_cache_fit is not taken, c.name
+            assert ("rollout.cuda_graph" in c.device_defaults) is taken or "rollout.cuda_graph" in c.overrides, c.name
+            assert (geometry_memory(c.config, True).held_kv > 0) is taken, c.name
+        return {c.name: auto_takes_graph_loop(c.config) for c in cases}
+
+    # PPO: 32 rows a rank; ZeRO-3 and the offloaded cases were not measured with the loop
+    assert loop("six-case") == {"zero1_no_offload": True, "zero2_no_offload": True, "zero3_no_offload": False,
+                                "zero1_cpu_offload": False, "zero2_cpu_offload": False, "zero3_cpu_offload": False}
+    assert not any(loop("grpo-six-case").values())  # no critic beside the rollout: vLLM, whatever the rows
+    assert not any(loop("grpo-six-case", ("trainer.train_batch_size", 16), ("actor.ppo_mini_batch_size", 16)).values())
+    for named in (("rollout.cuda_graph", False), ("rollout.log_probs", True), ("rollout.enforce_eager", True)):
+        assert not any(loop("six-case", named).values()), named
+    # the loop's attention named beside auto: SDPA's loop was not measured faster, so auto would run vLLM, and the
+    # named attention would choose nothing; said so, rather than recorded as if it ran
+    with pytest.raises(ConfigError, match=r"set rollout\.cuda_graph=true"):
+        loop("six-case", ("rollout.decode_attention", "sdpa"))
+    assert not any(loop("six-case", ("trainer.world_size", 1)).values())  # 64 rows on the one rank
+    ddp = loop("ddp-vs-zero")  # DDP (ZeRO-0) was not measured with the loop
+    assert {n for n, taken in ddp.items() if taken} == {"zero1_no_ac", "zero1_ac", "zero2_no_ac", "zero2_ac"}
 
 
 def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:

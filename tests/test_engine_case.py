@@ -146,6 +146,7 @@ def test_grpo_raises_the_score(tmp_path: Path) -> None:
     assert len(lines) == steps and lines[0].startswith("step:1 - actor/")
     result = json.loads((case / "result.json").read_text())
     assert result["steps_completed"] == steps and result["rollout_backend"] == "hf"
+    assert result["rollout_engine"] == "hf-generate"
     assert result["device"] == "cpu" and result["versions"]["deepspeed"]
 
 

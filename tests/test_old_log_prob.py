@@ -19,6 +19,7 @@ from zbench.engine.batches import left_pad, sequence_batch
 from zbench.engine.cluster import free_port
 from zbench.engine.workers import PolicyWorker
 from zbench.models import resolve_model
+from zbench.runroot.summary import case_summary_row
 
 ONE_MINI_BATCH = {"algorithm": "grpo", "rollout": {"n": 4}, "model": {"dtype": "fp32"},
                   "trainer": {"world_size": 1, "train_batch_size": 2, "device": "cpu"},
@@ -115,6 +116,9 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
     assert result["graph_merged_projections"] == 4
     assert result["graph_prompt_width"] is None  # widths as they come: the eager loop records nothing to reuse
+    assert result["rollout_engine"] == "hf-loop"  # the loop, run eagerly
+    row = case_summary_row(case.parent, case.name)  # the summary tells the loop from transformers' generate
+    assert row["rollout_engine"] == "hf-loop" and row["rollout_backend"] == "hf"
     # Ray raises its workers' niceness by 15 (its case-sensitive setting RAY_worker_niceness), from what they inherit
     raised = int(os.environ.get("RAY_worker_niceness", 15))  # noqa: SIM112
     assert result["worker_niceness"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + raised)

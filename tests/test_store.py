@@ -111,7 +111,8 @@ def write_case(cdir: Path, algorithm: str = "ppo", steps: int = 3, status: str =
                               "started_at": ended_at, "ended_at": ended_at, "warnings": []})  # fmt: skip
     if status == "completed":
         casedir.atomic_write_json(cdir / "result.json", {"steps_completed": steps, "steps_target": steps,
-            "offload_effective": "optimizer", "rollout_backend": "hf", "world_size": 2, "wall_s": 15.5})  # fmt: skip
+            "offload_effective": "optimizer", "rollout_backend": "hf", "rollout_engine": "hf-graph", "world_size": 2,
+            "wall_s": 15.5})  # fmt: skip
 
 
 def test_summary_rows(tmp_path: Path) -> None:
@@ -130,11 +131,12 @@ def test_summary_rows(tmp_path: Path) -> None:
         "steps_completed\tsteps_target\twall_s\tstep_time_mean_s\tthroughput_mean\tmfu_mean\t"
         "max_memory_allocated_gb\tmax_memory_reserved_gb\tcpu_memory_used_gb\tscore_first\tscore_last\t"
         "score_max\tloss_last\tattempt\texit_code\treason\tcase_dir\tconfig_hash\tdevice_memory_used_gb\t"
-        "step_time_sd_s\tdevice_memory_gen_gb\tdevice_memory_train_gb"
+        "step_time_sd_s\tdevice_memory_gen_gb\tdevice_memory_train_gb\trollout_engine"
     )
     ppo, grpo = summary.read_summary(path)
     assert ppo["case"] == "zero2_cpu_offload" and ppo["algorithm"] == "ppo" and ppo["zero_stage"] == "2"
     assert ppo["offload"] == "cpu" and ppo["offload_effective"] == "optimizer" and ppo["world_size"] == "2"
+    assert ppo["rollout_backend"] == "hf" and ppo["rollout_engine"] == "hf-graph"
     assert ppo["step_time_mean_s"] == "3" and ppo["throughput_mean"] == "15"  # steps 2..N only
     assert ppo["step_time_sd_s"] == "1.41421"  # steps 2 and 3 (2 s, 4 s): one step strays this far
     assert ppo["score_first"] == "0.2" and ppo["score_last"] == "0.4" and ppo["score_max"] == "0.5"

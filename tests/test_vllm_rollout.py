@@ -45,6 +45,9 @@ def test_backend_selection() -> None:
     assert select_backend("auto", True, "0.26.0", "2.13.0") == "hf"  # wrong pair: auto falls back
     assert select_backend("auto", True, "0.26.0", "2.11.0") == "vllm"
     assert select_backend("vllm", True, "0.26.0", "2.11.0") == "vllm"
+    # where the graph loop was measured faster, auto takes it; a named backend stays as named
+    assert select_backend("auto", True, "0.26.0", "2.11.0", graph_loop=True) == "hf"
+    assert select_backend("vllm", True, "0.26.0", "2.11.0", graph_loop=True) == "vllm"
     with pytest.raises(ConfigError, match="'vllm' needs a CUDA GPU; use 'hf'"):
         select_backend("vllm", False, "0.26.0", "2.11.0")
     with pytest.raises(ConfigError, match=r"pip install 'zbench\[vllm\]'"):

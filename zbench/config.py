@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -122,7 +123,9 @@ class DataConfig:
 class RolloutConfig:
     """How responses are sampled."""
 
-    backend: str = "hf"  # hf (transformers generate), vllm (colocated vLLM engine), auto (vllm if usable)
+    # hf (transformers), vllm (colocated vLLM engine), auto (on a GPU: hf's graph loop for PPO at <= 32 rows a rank,
+    # ZeRO-1/2, no offload, where measured faster (zbench.config.auto_takes_graph_loop); else vllm if usable)
+    backend: str = "hf"
     n: int = 1  # samples per prompt (GRPO needs n >= 2)
     temperature: float = 1.0  # sampling temperature (0: greedy)
     top_p: float = 1.0  # nucleus sampling mass
@@ -131,7 +134,8 @@ class RolloutConfig:
     static_cache: bool = False
     # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph, q/k/v and gate/up projections
     # merged; with the triton attention every batch is padded to data.max_prompt_length (to a multiple of 64): one
-    # recording a run, its largest KV cache from the first step
+    # recording a run, its largest KV cache from the first step, held through training. A GPU default at ZeRO-1/2
+    # without optimizer offload where the triton attention runs (zbench.config.graph_loop_measured)
     cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
@@ -561,8 +565,9 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     """The fast path on a GPU: the settings a CUDA case takes for each of these keys that its matrix, case and
     `--set` leave unnamed (``named(key)`` false), as dotted overrides. The dataclass defaults suit the CPU's tiny
     model; a GPU case wants activation checkpointing with micro-batches sized by tokens, the largest forward
-    micro-batch, a vLLM KV cache fitted to one rollout, the hf backend's CUDA-graph decode loop where its replica
-    stays on the GPU, and PPO's critic update behind the next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the geometry always validates;
+    micro-batch, the hf backend's CUDA-graph decode loop where it has run fast (`graph_loop_measured`; `auto` takes
+    it where `auto_takes_graph_loop` says), a vLLM KV cache fitted to one rollout, and PPO's critic update behind the
+    next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the geometry always validates;
     the actor's fused head takes the update's loss. Nothing named is ever changed; `zbench tune` searches beyond
     these."""
     plan = cfg.batch_plan()
@@ -578,11 +583,17 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     for role in roles:
         out[f"{role}.micro_batch_size_per_gpu"] = micro
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
-    if cfg.rollout.backend in ("vllm", "auto") and not named("rollout.gpu_memory_utilization"):
+    backend = cfg.rollout.backend
+    if backend != "vllm" and not named("rollout.cuda_graph") and not named("rollout.static_cache"):
+        # the loop where it has run fast; with hf, a named decode_attention asks for the loop whatever else holds
+        looped = with_overrides(cfg, {"rollout.cuda_graph": True})
+        taken = auto_takes_graph_loop(looped) if backend == "auto" else graph_loop_measured(cfg)
+        if taken or (backend == "hf" and named("rollout.decode_attention")):
+            out["rollout.cuda_graph"] = True
+    vllm = backend == "vllm" or (backend == "auto" and not auto_takes_graph_loop(
+        with_overrides(cfg, {k: v for k, v in out.items() if k == "rollout.cuda_graph"})))
+    if vllm and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
-    if (cfg.rollout.backend in ("hf", "auto") and not named("rollout.cuda_graph") and not named("rollout.static_cache")
-            and not replica_parks(cfg)):
-        out["rollout.cuda_graph"] = True
     if cfg.needs_critic and critic_overlap_faster(cfg.zero.stage, cfg.zero.offload):
         out["trainer.critic_update"] = "overlap"
     out = {k: v for k, v in out.items() if not named(k)}
@@ -596,11 +607,66 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
 def replica_parks(cfg: RunConfig) -> bool:
     """Whether the hf backend's rollout replica leaves the GPU between rollouts: where the optimizer is offloaded,
     training's memory is what the case is asked to save. A parked replica comes back at new addresses every step,
-    so its decode loop runs eagerly (`zbench.engine.rollout.HFRollout`); one that stays takes the CUDA-graph loop
-    (`rollout.cuda_graph`) as a GPU default, 9x transformers' `generate` on an H200 (16,810 against 1,831 tok/s,
-    results/reference/h200x2-grpo-six-case-vllm-20261122-zero3-fwd16), and keeps its KV cache through training
-    (`zbench.analyze.activations`)."""
+    so its decode loop runs eagerly (`zbench.engine.rollout.HFRollout`); one that stays can take the CUDA-graph loop
+    (`rollout.cuda_graph`, a GPU default where `graph_loop_measured`), 9x transformers' `generate` on an H200 (16,810
+    against 1,831 tok/s, results/reference/h200x2-grpo-six-case-vllm-20261122-zero3-fwd16), which keeps its KV cache
+    through training (`zbench.analyze.activations`)."""
     return effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer != "none"
+
+
+# the most rows one rank samples at once where `rollout.backend=auto` takes the graph loop on a GPU
+GRAPH_LOOP_ROWS = 32
+
+
+@functools.lru_cache(maxsize=32)
+def _decode_kernels_fit(model_path: str, precision: str) -> bool:
+    """Whether the graph loop's Triton decode attention computes this model's attention at this precision
+    (`zbench.engine.decode_attention.unsupported`)."""
+    import torch
+
+    from zbench.analyze.model_size import model_config
+    from zbench.engine.decode_attention import unsupported
+
+    try:
+        config = model_config(model_path)
+    except ValueError as err:  # the message names model.path and what it takes
+        raise ConfigError("", f"{err} (a GPU case reads its model's attention to choose its rollout loop)") from None
+    return unsupported(config, torch.bfloat16 if precision == "bf16" else torch.float32) is None
+
+
+def graph_loop_measured(cfg: RunConfig) -> bool:
+    """Where the hf backend's CUDA-graph decode loop has run inside cases on a GPU in the form that makes it fast,
+    which is where it is a GPU default: ZeRO-1/2, its replica on the GPU (no optimizer offload: `replica_parks`), and
+    the Triton decode attention (`rollout.decode_attention` not sdpa, a model whose attention the kernels compute).
+    With SDPA every new prompt width records the decode step again (13-43 s on an H200); ZeRO-0 and ZeRO-3 cases have
+    not run the loop."""
+    return (cfg.zero.stage in (1, 2) and not replica_parks(cfg) and cfg.rollout.decode_attention != "sdpa"
+            and _decode_kernels_fit(cfg.model.path, cfg.model.precision(True)))
+
+
+def auto_takes_graph_loop(cfg: RunConfig) -> bool:
+    """Whether `rollout.backend=auto` runs the hf backend's CUDA-graph decode loop rather than vLLM on a GPU: PPO,
+    whose critic updates beside the rollout, where a rank samples at most `GRAPH_LOOP_ROWS` rows at once, where the
+    loop has run (`graph_loop_measured`) and is on (`rollout.cuda_graph`, then a GPU default), and nothing asks for
+    what only vLLM does (tensor parallelism, its sampling log-probs, its eager mode). Measured there: PPO's reference
+    config (32 rows a GPU), ZeRO-1 and ZeRO-2, 2.05-2.06 s a step against vLLM's 2.43-2.46 s in one run on
+    2 x H200, at 4.1 GB more GPU memory in use (34 against 30 GB): the loop's KV cache and replica stay on the GPU
+    through training (results/reference/h200x2-one-width-20261127). Elsewhere vLLM: alone (GRPO, no critic) the loop's
+    32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows vLLM was as fast or faster on the
+    fastest host and the held cache would be 15 GB."""
+    r = cfg.rollout
+    return (cfg.needs_critic and cfg.batch_plan().sequences_per_rank <= GRAPH_LOOP_ROWS and r.cuda_graph
+            and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs and not r.enforce_eager)
+
+
+def graph_loop_on_gpu(cfg: RunConfig) -> bool:
+    """Whether `cfg`'s rollouts on a GPU run the CUDA-graph loop, its KV cache held through training: the hf
+    backend with the loop on and its replica on the GPU, or `auto` where it takes the loop over vLLM (taken to be
+    installed, as on the GPU hosts zbench's memory model was measured on)."""
+    r = cfg.rollout
+    if r.backend == "auto":
+        return auto_takes_graph_loop(cfg)
+    return r.backend == "hf" and r.cuda_graph and not replica_parks(cfg)
 
 
 def critic_overlap_faster(stage: int, offload: str) -> bool:
@@ -625,7 +691,7 @@ def checkpointed_within_peak(cfg: RunConfig) -> int | None:
     of a device this host cannot size (`rollout.gpu_memory_utilization`)."""
     from zbench.analyze.activations import geometry_memory, model_dims
 
-    vllm = cfg.rollout.backend in ("vllm", "auto")
+    vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and not auto_takes_graph_loop(cfg))
     if not cfg.model.gradient_checkpointing or (vllm and not cfg.rollout.kv_cache_fit):
         return None
     try:

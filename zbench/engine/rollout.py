@@ -276,6 +276,15 @@ class HFRollout:
         self.prompt_width = one_prompt_width(prompt_width, compile_step, self.decode_attention)
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
 
+    @property
+    def engine(self) -> str:
+        """Which loop samples, for the summary's rollout_engine: `hf-graph` (the decode step replayed as a CUDA
+        graph), `hf-loop` (the same loop run eagerly: a parked replica, a CPU), `hf-static` (transformers' static
+        cache) or `hf-generate`."""
+        if self.graph is not None:
+            return "hf-graph" if self.graph.compile else "hf-loop"
+        return "hf-static" if self.static_cache else "hf-generate"
+
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""
         if self.graph is not None and torch.device(device).type == "cpu":

@@ -29,7 +29,14 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, load_case_config, trial_differences
+from zbench.config import (
+    ConfigError,
+    RunConfig,
+    auto_takes_graph_loop,
+    effective_offload,
+    load_case_config,
+    trial_differences,
+)
 from zbench.engine import algos
 from zbench.engine.batches import (
     PROMPT_WIDTH_MULTIPLE,
@@ -150,7 +157,8 @@ class Trainer:
         from zbench.engine.vllm_rollout import installed_vllm, select_backend
 
         # a backend that cannot run here is a config error before anything starts
-        self.backend = select_backend(self.cfg.rollout.backend, self.on_cuda, installed_vllm(), torch.__version__)
+        self.backend = select_backend(self.cfg.rollout.backend, self.on_cuda, installed_vllm(), torch.__version__,
+                                      auto_takes_graph_loop(self.cfg))
         if self.backend != "vllm" and self.cfg.rollout.tensor_parallel_size != 1:
             raise ConfigError("rollout.tensor_parallel_size", f"only the vllm backend shards generation; the "
                                                               f"{self.backend} backend runs a whole replica per rank: "
@@ -273,7 +281,7 @@ class Trainer:
         group_ids = torch.arange(len(idx)).repeat_interleave(n)
         # a static KV cache compiles per shape: bucket prompt widths so a handful of shapes cover a run (the graph
         # loop with the Triton attention pads every batch further, to one width: HFRollout.prompt_width)
-        static = cfg.rollout.static_cache or cfg.rollout.cuda_graph
+        static = self.backend == "hf" and (cfg.rollout.static_cache or cfg.rollout.cuda_graph)
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id, multiple=PROMPT_WIDTH_MULTIPLE if static else 1)
 
         with self._timed("gen"):
@@ -600,7 +608,8 @@ class Trainer:
             completed = True
             result = {
                 "steps_completed": cfg.steps, "steps_target": cfg.steps, "offload_effective": offload.label,
-                "rollout_backend": self.info["backend"], "world_size": cfg.trainer.world_size,
+                "rollout_backend": self.info["backend"], "rollout_engine": self.info.get("engine"),
+                "world_size": cfg.trainer.world_size,
                 "wall_s": time.time() - self.started, "versions": versions(),
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),

@@ -57,12 +57,15 @@ def check_versions(vllm_version: str, torch_version: str) -> None:
                                              f"{torch_version} is installed; tested pairs: {pairs}")
 
 
-def select_backend(asked: str, on_cuda: bool, vllm_version: str | None, torch_version: str) -> str:
-    """The rollout backend that will run: `auto` takes vLLM where it is installed, supported and on CUDA."""
+def select_backend(asked: str, on_cuda: bool, vllm_version: str | None, torch_version: str,
+                   graph_loop: bool = False) -> str:
+    """The rollout backend that will run: `auto` takes vLLM where it is installed, supported and on CUDA, unless
+    the case is one where the hf backend's CUDA-graph loop was measured faster (`graph_loop`:
+    `zbench.config.auto_takes_graph_loop`)."""
     if asked == "hf":
         return "hf"
     if asked == "auto":
-        if not (on_cuda and vllm_version):
+        if not (on_cuda and vllm_version) or graph_loop:
             return "hf"
         try:
             check_versions(vllm_version, torch_version)
@@ -96,6 +99,7 @@ class VLLMRollout:
     """Sampling with an in-process vLLM engine; same sampling parameters as the `hf` backend."""
 
     backend = "vllm"
+    engine = "vllm"  # the summary's rollout_engine
 
     def __init__(self, model_path: str, *, pad_id: int, eos_ids: list[int], max_new_tokens: int, temperature: float,
                  top_p: float, gpu_memory_utilization: float, tensor_parallel_size: int, seed: int,

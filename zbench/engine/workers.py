@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import torch
 
-from zbench.config import ConfigError, RunConfig, effective_offload, replica_parks
+from zbench.config import ConfigError, RunConfig, auto_takes_graph_loop, effective_offload, replica_parks
 from zbench.engine import algos, build_lock, cpu_info, lm_head
 from zbench.engine.batches import (
     Batch,
@@ -518,7 +518,7 @@ class PolicyWorker(_Worker):
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "optimizer": self.optimizer_name(), "backend": self.rollout.backend,
+                "optimizer": self.optimizer_name(), "backend": self.rollout.backend, "engine": self.rollout.engine,
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
@@ -562,7 +562,8 @@ class PolicyWorker(_Worker):
         from zbench.engine.rollout import HFRollout
 
         r = self.cfg.rollout
-        backend = vllm_rollout.select_backend(r.backend, self.on_cuda, vllm_rollout.installed_vllm(), torch.__version__)
+        backend = vllm_rollout.select_backend(r.backend, self.on_cuda, vllm_rollout.installed_vllm(), torch.__version__,
+                                              auto_takes_graph_loop(self.cfg))
         self.park_replica = False
         if backend == "vllm":
             tied = bool(getattr(AutoConfig.from_pretrained(self.model_path), "tie_word_embeddings", False))

@@ -29,12 +29,13 @@ SUMMARY_COLUMNS = (
     "status", "steps_completed", "steps_target", "wall_s", "step_time_mean_s", "throughput_mean", "mfu_mean",
     "max_memory_allocated_gb", "max_memory_reserved_gb", "cpu_memory_used_gb", "score_first", "score_last",
     "score_max", "loss_last", "attempt", "exit_code", "reason", "case_dir", "config_hash", "device_memory_used_gb",
-    "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb",
+    "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb", "rollout_engine",
 )  # fmt: skip
 # Columns added after the first release: a summary written before them reads back with them empty.
-LATER_SUMMARY_COLUMNS = ("device_memory_used_gb", "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb")
+LATER_SUMMARY_COLUMNS = ("device_memory_used_gb", "step_time_sd_s", "device_memory_gen_gb", "device_memory_train_gb",
+                         "rollout_engine")
 TEXT_COLUMNS = frozenset({"case", "algorithm", "offload", "offload_effective", "rollout_backend", "status", "reason",
-                          "case_dir", "config_hash"})  # fmt: skip
+                          "case_dir", "config_hash", "rollout_engine"})  # fmt: skip
 
 STEADY_FROM_STEP = 2  # step 1 includes warm-up (compilation, allocator growth, engine start)
 
@@ -140,6 +141,7 @@ def case_summary_row(run_root: str | os.PathLike[str], case: str, case_dir: str 
         "offload": cfg.zero.offload if cfg else None,
         "offload_effective": result.get("offload_effective"),
         "rollout_backend": result.get("rollout_backend") or (cfg.rollout.backend if cfg else None),
+        "rollout_engine": result.get("rollout_engine"),  # which loop ran (hf-graph, hf-generate, ..., vllm)
         "world_size": result.get("world_size"),
         "seed": cfg.seed if cfg else None,
         "status": status.get("status", "pending"),
