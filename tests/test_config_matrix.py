@@ -19,6 +19,7 @@ from zbench.config import (
     load_case_config,
     parse_set,
     replica_parks,
+    rollout_engine,
     with_overrides,
 )
 from zbench.harness.matrix import expand, load_matrix, shipped_matrices
@@ -329,6 +330,17 @@ def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:
     assert not any(loop("six-case", ("trainer.world_size", 1)).values())  # 64 rows on the one rank
     ddp = loop("ddp-vs-zero")  # DDP (ZeRO-0) was not measured with the loop
     assert {n for n, taken in ddp.items() if taken} == {"zero1_no_ac", "zero1_ac", "zero2_no_ac", "zero2_ac"}
+    # `zbench show` says which loop each case will sample with
+    res = zbench("show", "six-case", *[a for k, v in ref for a in ("--set", f"{k}={v}")])
+    assert res.returncode == 0, res.stderr
+    header, *rows = (line.split("\t") for line in res.stdout.splitlines())
+    at = header.index("rollout")
+    assert {r[0]: r[at] for r in rows} == {"zero1_no_offload": "hf-graph", "zero2_no_offload": "hf-graph",
+                                           "zero3_no_offload": "vllm", "zero1_cpu_offload": "vllm",
+                                           "zero2_cpu_offload": "vllm", "zero3_cpu_offload": "vllm"}
+    hf = expand(load_matrix("six-case"), sets=[*ref[:-1], ("rollout.backend", "hf")], device_defaults=True)
+    assert [rollout_engine(c.config, True) for c in hf] == ["hf-graph"] * 2 + ["hf-generate"] * 4
+    assert rollout_engine(hf[0].config, False) == "hf-loop"  # on a CPU the same loop runs eagerly
 
 
 def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:

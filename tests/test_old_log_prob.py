@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_engine_case import make_case, records, train
 
-from zbench.config import ConfigError, from_dict
+from zbench.config import ConfigError, from_dict, load_case_config, rollout_engine
 from zbench.engine.batches import left_pad, sequence_batch
 from zbench.engine.cluster import free_port
 from zbench.engine.workers import PolicyWorker
@@ -116,7 +116,8 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
     assert result["graph_merged_projections"] == 4
     assert result["graph_prompt_width"] is None  # widths as they come: the eager loop records nothing to reuse
-    assert result["rollout_engine"] == "hf-loop"  # the loop, run eagerly
+    assert result["rollout_engine"] == "hf-loop"  # the loop, run eagerly, as `zbench show` predicts from the config
+    assert rollout_engine(load_case_config(case / "config.yaml"), on_cuda=False) == "hf-loop"
     row = case_summary_row(case.parent, case.name)  # the summary tells the loop from transformers' generate
     assert row["rollout_engine"] == "hf-loop" and row["rollout_backend"] == "hf"
     # Ray raises its workers' niceness by 15 (its case-sensitive setting RAY_worker_niceness), from what they inherit

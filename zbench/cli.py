@@ -71,7 +71,7 @@ def show(
     full: Annotated[bool, typer.Option(help="Print each case's whole resolved config.yaml.")] = False,
 ) -> None:
     """Show the expanded cases of a matrix with their effective knobs (a table on a terminal, TSV when piped)."""
-    from zbench.config import effective_offload
+    from zbench.config import effective_offload, rollout_engine
     from zbench.harness.matrix import expand, load_matrix
 
     try:
@@ -89,10 +89,11 @@ def show(
         eff = effective_offload(cfg.zero.stage, cfg.zero.offload).label
         rows.append([c.name, cfg.algorithm, str(cfg.zero.stage), f"{cfg.zero.offload} → {eff}", str(cfg.rollout.n),
                      str(cfg.trainer.world_size), str(cfg.trainer.train_batch_size), cfg.model.path,
+                     rollout_engine(cfg, cfg.trainer.uses_cuda()),
                      ", ".join([*(f"{k}={v}" for k, v in c.overrides.items()),
                                 *(f"{k}={v} (GPU default)" for k, v in c.device_defaults.items())])])
     _print_table(["case", "algorithm", "zero", "offload (asked → effective)", "n", "world", "batch", "model",
-                  "overrides"], rows)
+                  "rollout", "overrides"], rows)
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:

@@ -659,14 +659,23 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
             and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs and not r.enforce_eager)
 
 
-def graph_loop_on_gpu(cfg: RunConfig) -> bool:
-    """Whether `cfg`'s rollouts on a GPU run the CUDA-graph loop, its KV cache held through training: the hf
-    backend with the loop on and its replica on the GPU, or `auto` where it takes the loop over vLLM (taken to be
-    installed, as on the GPU hosts zbench's memory model was measured on)."""
+def rollout_engine(cfg: RunConfig, on_cuda: bool) -> str:
+    """The loop `cfg`'s rollouts will sample with, as its `result.json` and the summary's `rollout_engine` will say
+    (`zbench.engine.rollout.HFRollout.engine`): `vllm`, `hf-graph` (the decode step replayed as a CUDA graph: its KV
+    cache held through training), `hf-loop` (the same loop run eagerly: a CPU, a replica parked off the GPU),
+    `hf-static` or `hf-generate`. On a GPU, `auto` is taken to find vLLM installed, as on the hosts it was measured
+    on; without it `auto` samples with hf."""
     r = cfg.rollout
-    if r.backend == "auto":
-        return auto_takes_graph_loop(cfg)
-    return r.backend == "hf" and r.cuda_graph and not replica_parks(cfg)
+    if on_cuda and (r.backend == "vllm" or (r.backend == "auto" and not auto_takes_graph_loop(cfg))):
+        return "vllm"
+    if r.cuda_graph:
+        return "hf-graph" if on_cuda and not replica_parks(cfg) else "hf-loop"
+    return "hf-static" if r.static_cache and on_cuda else "hf-generate"
+
+
+def graph_loop_on_gpu(cfg: RunConfig) -> bool:
+    """Whether `cfg`'s rollouts on a GPU run the CUDA-graph loop, its KV cache held through training."""
+    return rollout_engine(cfg, True) == "hf-graph"
 
 
 def critic_overlap_faster(stage: int, offload: str) -> bool:

@@ -278,9 +278,9 @@ class HFRollout:
 
     @property
     def engine(self) -> str:
-        """Which loop samples, for the summary's rollout_engine: `hf-graph` (the decode step replayed as a CUDA
-        graph), `hf-loop` (the same loop run eagerly: a parked replica, a CPU), `hf-static` (transformers' static
-        cache) or `hf-generate`."""
+        """Which loop samples, for the summary's rollout_engine (`zbench.config.rollout_engine` predicts it from a
+        config): `hf-graph` (the decode step replayed as a CUDA graph), `hf-loop` (the same loop run eagerly: a
+        parked replica, a CPU), `hf-static` (transformers' static cache) or `hf-generate`."""
         if self.graph is not None:
             return "hf-graph" if self.graph.compile else "hf-loop"
         return "hf-static" if self.static_cache else "hf-generate"
