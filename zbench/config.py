@@ -567,8 +567,8 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     model; a GPU case wants activation checkpointing with micro-batches sized by tokens, the largest forward
     micro-batch, the hf backend's CUDA-graph decode loop where it has run fast (`graph_loop_measured`; `auto` takes
     it where `auto_takes_graph_loop` says), a vLLM KV cache fitted to one rollout, and PPO's critic update behind the
-    next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the geometry always validates;
-    the actor's fused head takes the update's loss. Nothing named is ever changed; `zbench tune` searches beyond
+    next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the
+    geometry always validates; the actor's fused head takes the update's loss. Nothing named is ever changed; `zbench tune` searches beyond
     these."""
     plan = cfg.batch_plan()
     tokens = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
@@ -586,13 +586,12 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     backend = cfg.rollout.backend
     if backend != "vllm" and not named("rollout.cuda_graph") and not named("rollout.static_cache"):
         # the loop where it has run fast; with hf, a named decode_attention asks for the loop whatever else holds
-        looped = with_overrides(cfg, {"rollout.cuda_graph": True})
-        taken = auto_takes_graph_loop(looped) if backend == "auto" else graph_loop_measured(cfg)
+        taken = (auto_takes_graph_loop(with_overrides(cfg, {"rollout.cuda_graph": True})) if backend == "auto"
+                 else graph_loop_measured(cfg))
         if taken or (backend == "hf" and named("rollout.decode_attention")):
             out["rollout.cuda_graph"] = True
-    vllm = backend == "vllm" or (backend == "auto" and not auto_takes_graph_loop(
-        with_overrides(cfg, {k: v for k, v in out.items() if k == "rollout.cuda_graph"})))
-    if vllm and not named("rollout.gpu_memory_utilization"):
+    sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
+    if rollout_engine(sampling, True) == "vllm" and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
     if cfg.needs_critic and critic_overlap_faster(cfg.zero.stage, cfg.zero.offload):
         out["trainer.critic_update"] = "overlap"
@@ -673,11 +672,6 @@ def rollout_engine(cfg: RunConfig, on_cuda: bool) -> str:
     return "hf-static" if r.static_cache and on_cuda else "hf-generate"
 
 
-def graph_loop_on_gpu(cfg: RunConfig) -> bool:
-    """Whether `cfg`'s rollouts on a GPU run the CUDA-graph loop, its KV cache held through training."""
-    return rollout_engine(cfg, True) == "hf-graph"
-
-
 def critic_overlap_faster(stage: int, offload: str) -> bool:
     """Whether PPO's critic update behind the next rollout (`trainer.critic_update` overlap) was measured faster than
     in turns at this ZeRO stage and offload, at the same peak (pairs on 2 x H100, the reference config). Faster:
@@ -700,7 +694,7 @@ def checkpointed_within_peak(cfg: RunConfig) -> int | None:
     of a device this host cannot size (`rollout.gpu_memory_utilization`)."""
     from zbench.analyze.activations import geometry_memory, model_dims
 
-    vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and not auto_takes_graph_loop(cfg))
+    vllm = rollout_engine(cfg, True) == "vllm"
     if not cfg.model.gradient_checkpointing or (vllm and not cfg.rollout.kv_cache_fit):
         return None
     try:

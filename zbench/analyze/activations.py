@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
 from zbench.analyze.model_size import model_config
-from zbench.config import RunConfig, auto_takes_graph_loop, graph_loop_on_gpu, with_overrides
+from zbench.config import RunConfig, rollout_engine, with_overrides
 from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
 from zbench.engine.lm_head import DEFAULT_CHUNK_TOKENS
 
@@ -132,9 +132,7 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
         else:  # a host allocator gives large blocks back: the critic's passes take turns with the actor's
             training, forward = max(training, critic_training), max(forward, critic_forward)
     kv = 0
-    backend_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_cuda
-                                                     and not auto_takes_graph_loop(cfg))
-    if on_cuda and backend_vllm:
+    if rollout_engine(cfg, on_cuda) == "vllm":
         r = cfg.rollout
         if r.kv_cache_fit:  # sized as the engine sizes it, from the dims a Hugging Face config would give
             from zbench.engine.vllm_rollout import fitted_kv_cache_bytes
@@ -147,7 +145,7 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
         else:
             kv = int(r.gpu_memory_utilization * device_bytes)
     held = 0
-    if on_cuda and graph_loop_on_gpu(cfg):
+    if rollout_engine(cfg, on_cuda) == "hf-graph":
         width = aligned(cfg.data.max_prompt_length, PROMPT_WIDTH_MULTIPLE) + cfg.rollout.max_new_tokens
         held = cfg.batch_plan().sequences_per_rank * width * 2 * d.num_layers * d.num_kv_heads * d.head_dim * p
     if not on_cuda:  # every rank's states and passes live in the one host's memory

@@ -158,7 +158,7 @@ class Trainer:
 
         # a backend that cannot run here is a config error before anything starts
         self.backend = select_backend(self.cfg.rollout.backend, self.on_cuda, installed_vllm(), torch.__version__,
-                                      auto_takes_graph_loop(self.cfg))
+                                      self.on_cuda and auto_takes_graph_loop(self.cfg))
         if self.backend != "vllm" and self.cfg.rollout.tensor_parallel_size != 1:
             raise ConfigError("rollout.tensor_parallel_size", f"only the vllm backend shards generation; the "
                                                               f"{self.backend} backend runs a whole replica per rank: "

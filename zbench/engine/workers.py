@@ -563,7 +563,7 @@ class PolicyWorker(_Worker):
 
         r = self.cfg.rollout
         backend = vllm_rollout.select_backend(r.backend, self.on_cuda, vllm_rollout.installed_vllm(), torch.__version__,
-                                              auto_takes_graph_loop(self.cfg))
+                                              self.on_cuda and auto_takes_graph_loop(self.cfg))
         self.park_replica = False
         if backend == "vllm":
             tied = bool(getattr(AutoConfig.from_pretrained(self.model_path), "tie_word_embeddings", False))
