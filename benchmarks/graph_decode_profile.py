@@ -53,6 +53,13 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", default=["on"], choices=("on", "off"),
                         help="q/k/v and gate/up as one matrix multiply each (GraphDecoder's default), or as "
                              "transformers runs them (each measured in turn, on a fresh copy of the model)")
+    parser.add_argument("--sampler", nargs="+", default=["graph"], choices=("graph", "eager"),
+                        help="where a token is drawn: inside the recorded step with its bookkeeping (GraphDecoder's "
+                             "default, zbench.engine.race_sampling) or by eager kernels between replays (each "
+                             "measured in turn, on a fresh copy of the model)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
+                             "and the longest gaps with the kernel that ended each")
     args = parser.parse_args()
     if args.data and any(b % args.n for b in args.batch):
         parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
@@ -91,9 +98,9 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge in itertools.product(args.attention, args.merge):
+    for attention, merge, sampler in itertools.product(args.attention, args.merge, args.sampler):
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
-                             attention=attention, merge=merge == "on")
+                             attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph")
         for ids, mask in batches:
             batch, width = ids.shape
 
@@ -110,7 +117,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
-            row = base | {"attention": attention, "merged_projections": graph.merged_projections, "batch": batch,
+            row = base | {"attention": attention, "merged_projections": graph.merged_projections,
+                          "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
@@ -120,8 +128,10 @@ def main() -> None:
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 wall = rollout(99)
             kernel_s, top = kernel_table(prof, args.top)
+            extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
-                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top}), flush=True)
+                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top} | extra),
+                  flush=True)
         # the next variant starts clean: its own compilations (dynamo's recompile limit counts per code object,
         # which every GraphDecoder shares) and none of this one's memory
         del graph, rollout
@@ -129,6 +139,33 @@ def main() -> None:
         gc.collect()
         if on_cuda:
             torch.cuda.empty_cache()
+
+
+def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, object]:
+    """Where the GPU idled between the profiled rollout's first and last kernel: idle seconds and gap counts by gap
+    size, and the `longest` gaps (microseconds) with the kernel each followed, which tells a host that cannot keep up
+    every step (many small gaps) from a few stalls (a sync, the prefill's launches)."""
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation())
+    sizes = {"<5us": [0, 0], "5-20us": [0, 0], "20-100us": [0, 0], "100us-1ms": [0, 0], ">1ms": [0, 0]}
+    gaps: list[tuple[int, str]] = []
+    if not spans:  # a CPU run records no device kernels
+        return {"kernels": 0}
+    end, after = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            key = ("<5us" if gap < 5e3 else "5-20us" if gap < 2e4 else "20-100us" if gap < 1e5
+                   else "100us-1ms" if gap < 1e6 else ">1ms")
+            sizes[key][0] += 1
+            sizes[key][1] += gap
+            gaps.append((gap, after[:60]))
+        if stop > end:
+            end, after = stop, name
+    gaps.sort(reverse=True)
+    return {"kernels": len(spans), "span_s": (end - spans[0][0]) / 1e9,
+            "by_size": {k: {"gaps": n, "idle_s": round(ns / 1e9, 4)} for k, (n, ns) in sizes.items()},
+            "longest_us": [[round(g / 1e3, 1), name] for g, name in gaps[:longest]]}
 
 
 if __name__ == "__main__":
