@@ -115,6 +115,7 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     assert result["graph_decode_attention"] == "sdpa"  # auto, where Triton's kernels cannot run
     # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
     assert result["graph_merged_projections"] == 4
+    assert result["graph_sampling"] == "eager"  # the eager loop of a CPU draws between steps
     assert result["graph_prompt_width"] is None  # widths as they come: the eager loop records nothing to reuse
     assert result["rollout_engine"] == "hf-loop"  # the loop, run eagerly, as `zbench show` predicts from the config
     assert rollout_engine(load_case_config(case / "config.yaml"), on_cuda=False) == "hf-loop"

@@ -63,6 +63,36 @@ def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
     assert torch.equal(ours, ref)
 
 
+def test_prefill_runs_each_distinct_prompt_once_from_the_first_attended_column(tiny):
+    """GRPO's samples of a prompt arrive as equal rows, and the replica pads every batch to one wide width: the
+    prefill computes each distinct prompt once, from the first column any row attends, and every row decodes as
+    it would after a prefill of its own at the full width (greedy tokens equal generate's)."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    rows = torch.tensor([0, 0, 0, 1, 1, 4, 4, 2])  # prompts 0, 1, 4, 2 repeated, as a step's n samples
+    extra = 7  # more left padding than any prompt has
+    ids = F.pad(input_ids[rows], (extra, 0), value=pad_id)
+    attend = F.pad(mask[rows], (extra, 0))
+    shapes = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
+    ours = GraphDecoder(model, compile=False, sync_every=4).generate(
+        ids, attend, max_new_tokens=20, temperature=0.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids, generator=None)
+    hook.remove()
+    # 4 distinct prompts, from the first column one of them attends: the longest prompt's width
+    assert shapes[0] == (4, int(mask[rows].sum(1).max())) and ids.shape[1] > shapes[0][1] + extra
+    assert all(shape[1] == 1 for shape in shapes[1:])  # then one token a step
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=pad_id, eos_token_id=eos_ids)
+    sdpa = copy.deepcopy(model)
+    sdpa.set_attn_implementation("sdpa")
+    ref = sdpa.generate(input_ids=ids, attention_mask=attend, generation_config=cfg)[:, ids.shape[1]:]
+    ref = torch.cat([ref, ref.new_full((ref.shape[0], 20 - ref.shape[1]), pad_id)], dim=1)
+    assert torch.equal(ours, ref)
+    # sampled, the copies of a prompt draw their own responses
+    sampled = GraphDecoder(copy.deepcopy(model), compile=False).generate(
+        ids, attend, max_new_tokens=20, temperature=1.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids,
+        generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(sampled[0], sampled[1]) or not torch.equal(sampled[1], sampled[2])
+
+
 def test_sampling_repeats_per_seed_and_the_rollout_masks_after_eos(tiny):
     model, pad_id, eos_ids, input_ids, mask = tiny
     rollout = HFRollout(model, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=16, temperature=1.0, top_p=0.9,
@@ -137,7 +167,7 @@ def test_one_kv_cache_is_held_at_a_time(tiny):
               "generator": None}
     narrow = decoder.generate(input_ids, mask, **kwargs)
     wide = decoder.generate(wide_ids, wide_mask, **kwargs)
-    assert decoder._cache_slot is not None and decoder._cache_slot[0] == (input_ids.shape[0], wide_ids.shape[1] + 6)
+    assert decoder._cache_slot is not None and decoder._cache_slot[0][:2] == (input_ids.shape[0], wide_ids.shape[1] + 6)
     assert torch.equal(narrow, wide)  # extra left padding changes nothing
 
 

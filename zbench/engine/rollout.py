@@ -15,6 +15,8 @@ cache (`gqa_decode_attention`), or with zbench's Triton kernels, which read only
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -159,12 +161,40 @@ def one_prompt_width(longest: int | None, compiled: bool, attention: str | None)
     return aligned(longest, PROMPT_WIDTH_MULTIPLE)
 
 
+@dataclasses.dataclass
+class LoopState:
+    """What the graph loop's recorded step (`GraphDecoder._step`) reads and changes besides the mask and the cache,
+    at addresses fixed for a (rows, cache length): the token it feeds and its position, the mask column it opens,
+    the step counter and seed its draw reads, the rows done, the EOS ids and the responses so far."""
+
+    token: torch.Tensor  # (B, 1) int64
+    position: torch.Tensor  # (B, 1) int64
+    column: torch.Tensor  # (1,) int64: the mask column of the token fed
+    step: torch.Tensor  # (1,) int64: the index of the token drawn last
+    seed: torch.Tensor  # (1,) int64
+    done: torch.Tensor  # (B,) bool
+    eos: torch.Tensor  # (E,) int64
+    responses: torch.Tensor  # (B, new tokens) int64
+
+    @classmethod
+    def allocate(cls, batch: int, new_tokens: int, eos_ids: list[int], device: torch.device) -> LoopState:
+        one = functools.partial(torch.zeros, dtype=torch.long, device=device)
+        return cls(token=one(batch, 1), position=one(batch, 1), column=one(1), step=one(1), seed=one(1),
+                   done=torch.zeros(batch, dtype=torch.bool, device=device),
+                   eos=torch.tensor(eos_ids, dtype=torch.long, device=device), responses=one(batch, new_tokens))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length) and
-    replayed for every new token. The prefill runs eagerly; sampling runs on the device with a seeded generator;
-    the host checks for all-finished rows only every `sync_every` tokens. With `compile=False` (CPU) the same loop
-    runs eagerly, which is how it is tested against `generate`.
+    replayed for every new token. The prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with
+    top_p 1, the recorded step also draws the next token and keeps the books (`_step`, `race_sampling`), so a token
+    costs the host one graph replay; otherwise sampling runs between replays on the device with a seeded generator
+    (`sample_tokens`). The host checks for all-finished rows only every `sync_every` tokens. With `compile=False`
+    (CPU) the same loop runs eagerly, which is how it is tested against `generate`.
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
     prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple
@@ -172,7 +202,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
-                 merge: bool = True):
+                 merge: bool = True, sample_in_graph: bool = True):
         from zbench.engine.merged_projections import merge_projections
 
         use_gqa_decode_attention(model, attention)
@@ -182,10 +212,14 @@ class GraphDecoder:
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
-        self._cache_slot: tuple[tuple[int, int], Any, torch.Tensor] | None = None  # (batch, length), cache, mask
+        # the recorded step draws its token and keeps the books too (`race_sampling`), where top_p does not cut
+        self.sample_in_graph = sample_in_graph and compile
+        self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
         self._decode = self._forward
+        self._decode_and_draw = self._step
         if compile:
             self._decode = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+            self._decode_and_draw = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                  cache: Any) -> torch.Tensor:
@@ -193,25 +227,77 @@ class GraphDecoder:
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
+    def _step(self, mask: torch.Tensor, cache: Any, state: LoopState, temperature: float, pad_id: int) -> None:
+        """One decode step with its draw and bookkeeping, for one recorded graph: attend the token fed (its mask
+        column), run the model, draw the next token at the step counter (`race`), pad it where the row is done,
+        write it to the responses, and feed it to the next step. Everything it changes lives in `state`, `mask`
+        and `cache`, at fixed addresses, so the host only replays the graph and reads `state.done` now and then."""
+        from zbench.engine.race_sampling import race
+
+        mask.index_fill_(1, state.column, 1)
+        logits = self._forward(state.token, state.position, mask, cache)
+        state.step.add_(1)
+        drawn = torch.where(state.done, pad_id, race(logits, state.seed, state.step, temperature))
+        state.responses.index_copy_(1, state.step, drawn[:, None])
+        state.done.logical_or_((drawn[:, None] == state.eos).any(dim=1))
+        state.token.copy_(drawn[:, None])
+        state.position.add_(1)
+        state.column.add_(1)
+
     def release(self) -> None:
         """Drop the KV cache (before the replica is parked off the accelerator)."""
         self._cache_slot = None
 
-    def _cache(self, batch: int, length: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    def _cache(self, batch: int, length: int, new_tokens: int, eos_ids: list[int],
+               device: torch.device) -> tuple[Any, torch.Tensor, LoopState]:
         from transformers import StaticCache
 
-        key = (batch, length)
+        key = (batch, length, new_tokens, *eos_ids)
         if self._cache_slot is None or self._cache_slot[0] != key:
             # one cache at a time: a new prompt-width bucket replaces the last one (freed before allocating)
             self._cache_slot = None
             mask = torch.zeros(batch, length, dtype=torch.long, device=device)
-            if self.compile:
-                torch._dynamo.mark_static_address(mask)
-            self._cache_slot = (key, StaticCache(config=self.model.config, max_cache_len=length), mask)
-        _, cache, mask = self._cache_slot
+            state = LoopState.allocate(batch, new_tokens, eos_ids, device)
+            if self.compile:  # changed in place by the recorded step
+                for tensor in (mask, *state.tensors()):
+                    torch._dynamo.mark_static_address(tensor)
+            self._cache_slot = (key, StaticCache(config=self.model.config, max_cache_len=length), mask, state)
+        _, cache, mask, state = self._cache_slot
         cache.reset()
         mask.zero_()
-        return cache, mask
+        return cache, mask, state
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompts through the model into `cache` (positions 0..width-1); returns each row's next-token
+        logits (B, V).
+
+        Each distinct prompt runs once, and only from the first column some row attends: GRPO's `n` samples of a
+        prompt arrive as `n` equal rows, and the replica pads every batch to one wide prompt width for its recorded
+        step (`one_prompt_width`), which the eager prefill would otherwise compute (at 128 rows, 32 prompts x 4,
+        padded to 512: about 0.43 s of a 2.44 s rollout's kernels on an H200, results/reference/h200-prefill-20261127).
+        The distinct prompts' keys and values go through a scratch cache into their rows' slots of the static
+        cache, at the columns they hold there. A model with sliding-window layers, whose caches keep only the window,
+        prefills every row at the full width."""
+        from transformers.cache_utils import DynamicCache, StaticLayer
+
+        width = input_ids.shape[1]
+        layers = getattr(cache, "layers", [])
+        if not layers or not all(isinstance(layer, StaticLayer) and not layer.is_sliding for layer in layers):
+            return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        attended = attention_mask.bool().any(0)
+        lead = int(attended.int().argmax()) if bool(attended.any()) else 0  # columns before it: padding in every row
+        rows = torch.cat([input_ids[:, lead:], attention_mask[:, lead:].to(input_ids.dtype)], dim=1)
+        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        ids, kept = distinct[:, : width - lead], distinct[:, width - lead:]
+        scratch = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=kept, position_ids=(kept.cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=scratch, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        for layer, held in zip(layers, scratch.layers, strict=True):
+            layer.cumulative_length.fill_(lead)  # StaticLayer.update writes from here on, and counts on
+            layer.update(held.keys[inverse], held.values[inverse])
+        return logits[inverse]
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
@@ -220,11 +306,13 @@ class GraphDecoder:
         """Left-padded prompts (B, P) on the model's device -> (B, max_new_tokens) responses, `pad_id` after EOS."""
         batch, width = input_ids.shape
         device = input_ids.device
-        cache, mask = self._cache(batch, width + max_new_tokens, device)
+        cache, mask, state = self._cache(batch, width + max_new_tokens, max_new_tokens, eos_ids, device)
         mask[:, :width] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        logits = self._prefill(input_ids, attention_mask, positions, cache, mask)
+        if self.sample_in_graph and top_p >= 1.0:
+            return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
+                                           pad_id=pad_id, seed=generator.initial_seed() if generator else 0)
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -242,6 +330,31 @@ class GraphDecoder:
             logits = self._decode(tok[:, None], pos, mask, cache)
             pos = pos + 1
         return out
+
+    def _generate_in_graph(self, logits: torch.Tensor, positions: torch.Tensor, width: int, mask: torch.Tensor,
+                           cache: Any, state: LoopState, *, temperature: float, pad_id: int,
+                           seed: int) -> torch.Tensor:
+        """`generate`'s loop with each step's draw and bookkeeping inside the recorded step (`_step`): the host
+        replays one graph a token and syncs only to check for all rows done, every `sync_every` tokens. The draws
+        are the race of `race_sampling` at (seed, step, row, token), so a seed repeats its rollout."""
+        from zbench.engine.race_sampling import race
+
+        state.seed.fill_(seed)
+        state.step.zero_()
+        first = race(logits, state.seed, state.step, temperature)
+        state.responses.fill_(pad_id)
+        state.responses[:, 0] = first
+        state.done.copy_((first[:, None] == state.eos).any(dim=1))
+        state.token.copy_(first[:, None])
+        state.position.copy_(positions[:, -1:] + 1)
+        state.column.fill_(width)
+        for t in range(1, state.responses.shape[1]):
+            if t % self.sync_every == 0 and bool(state.done.all()):
+                break
+            if self.compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            self._decode_and_draw(mask, cache, state, temperature, pad_id)
+        return state.responses.clone()
 
 
 class HFRollout:
@@ -284,6 +397,15 @@ class HFRollout:
         if self.graph is not None:
             return "hf-graph" if self.graph.compile else "hf-loop"
         return "hf-static" if self.static_cache else "hf-generate"
+
+    @property
+    def graph_sampling(self) -> str | None:
+        """Where the graph loop draws its tokens, for the case's result.json: `in-graph` (inside the recorded step,
+        `zbench.engine.race_sampling`: a compiled loop with top_p 1) or `eager` (between steps, as
+        `sample_tokens`); None without the graph loop."""
+        if self.graph is None:
+            return None
+        return "in-graph" if self.graph.sample_in_graph and self.top_p >= 1.0 else "eager"
 
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""

@@ -622,7 +622,8 @@ class Trainer:
                 **({"vllm_model_runner": self.info["model_runner"]} if self.info.get("model_runner") else {}),
                 **({"graph_decode_attention": self.info["decode_attention"],
                     "graph_merged_projections": self.info.get("merged_projections"),
-                    "graph_prompt_width": self.info.get("prompt_width")}
+                    "graph_prompt_width": self.info.get("prompt_width"),
+                    "graph_sampling": self.info.get("sampling")}
                    if self.info.get("decode_attention") else {}),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),

@@ -523,6 +523,7 @@ class PolicyWorker(_Worker):
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
+                "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),

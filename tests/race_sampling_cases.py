@@ -1,0 +1,71 @@
+"""The graph loop's in-graph sampler (`zbench.engine.race_sampling`) as its Triton kernel runs it, on CPU tensors
+through Triton's interpreter: it draws from softmax(logits / T), across the slices a row's vocabulary is cut into and
+in the last, partly filled iteration, never a column outside the vocabulary, and repeats for its (seed, step).
+
+Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a process of their own that sets it first
+(`test_race_sampling.py`); collected anywhere else they skip. The interpreter runs a program at a time, so the
+kernel's blocks are made small here (`QUARTER`) to keep the vocabularies several iterations and slices long."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_race_sampling.py",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from zbench.engine import race_sampling as rs
+from zbench.engine.decode_attention import available
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(rs, "QUARTER", 16)  # 64 columns an iteration
+
+
+def _at(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+def test_the_interpreter_runs_the_kernel():
+    assert available(torch.device("cpu"))
+
+
+def test_draws_follow_the_softmax_and_never_leave_the_vocabulary():
+    head = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    logits = torch.full((300, 70), float("-inf"))  # two iterations, the second mostly past the real columns
+    logits[:, :5] = head
+    draws = torch.cat([rs.race(logits, _at(11), _at(step), 0.7) for step in range(4)])
+    assert draws.max() < 4  # -30 has a chance of 1e-20 here, and -inf none
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    assert torch.allclose(freq, (head / 0.7).softmax(-1), atol=0.04)  # 1,200 draws: standard error <= 0.0125
+
+
+def test_a_row_cut_into_slices_draws_from_each():
+    assert rs.splits(8, 700) == (11, 64)  # 11 slices of one iteration, the last partly past the vocabulary
+    logits = torch.full((8, 700), float("-inf"), dtype=torch.bfloat16)
+    logits[:, 3] = 1.0
+    logits[:, 690] = 1.0
+    draws = torch.cat([rs.race(logits, _at(5), _at(step), 1.0) for step in range(12)])
+    assert set(draws.tolist()) == {3, 690}
+    assert 0.25 < (draws == 690).float().mean() < 0.75  # 96 draws of a fair coin: 5 standard errors
+
+
+def test_a_seed_and_step_repeat_and_others_differ():
+    logits = torch.zeros(40, 64)
+    a = rs.race(logits, _at(1), _at(0), 1.0)
+    assert torch.equal(a, rs.race(logits, _at(1), _at(0), 1.0))
+    assert not torch.equal(a, rs.race(logits, _at(1), _at(1), 1.0))
+    assert not torch.equal(a, rs.race(logits, _at(2), _at(0), 1.0))
+    assert len(set(a.tolist())) > 10  # rows draw apart
+
+
+def test_strided_rows_and_the_greedy_limit():
+    wide = torch.randn(6, 200)
+    logits = wide[:, :130]  # rows 200 apart
+    assert logits.stride(0) == 200
+    assert torch.equal(rs.race(logits, _at(0), _at(0), 0.0), logits.argmax(-1))
+    assert torch.equal(rs.race(logits, _at(0), _at(0), 1e-4), logits.argmax(-1))  # the noise cannot reorder them
+    assert rs.race(logits, _at(3), _at(9), 1.0).max() < 130

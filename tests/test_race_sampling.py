@@ -1,0 +1,81 @@
+"""The graph loop's in-graph sampler (`zbench.engine.race_sampling`): its Triton kernel in Triton's interpreter
+(`race_sampling_cases.py`, a process of its own), the draws where Triton cannot run, and `GraphDecoder`'s recorded
+step with the draw and bookkeeping inside (compiled on the CPU here; captured as one CUDA graph on a GPU)."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_rollout import tiny, tiny_loaded  # noqa: F401  (the same model and prompts)
+
+from zbench.engine import race_sampling as rs
+from zbench.engine.rollout import GraphDecoder, response_mask_from
+
+
+def test_race_cases_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    cases = Path(__file__).with_name("race_sampling_cases.py")
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          str(cases)], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=cases.parent.parent)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def _at(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+@pytest.mark.skipif(rs.available(torch.device("cpu")), reason="Triton's interpreter is on: the kernel runs")
+def test_without_triton_the_race_draws_from_the_softmax_with_a_generator():
+    head = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    logits = head.expand(4000, -1)
+    draws = torch.cat([rs.race(logits, _at(3), _at(step), 0.7) for step in range(5)])
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    assert torch.allclose(freq, (head / 0.7).softmax(-1), atol=0.01) and freq[4] == 0
+    assert torch.equal(draws[:4000], rs.race(logits, _at(3), _at(0), 0.7))
+    assert torch.equal(rs.race(logits, _at(3), _at(0), 0.0), logits.argmax(-1))
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="seed must be one int64"):
+        rs.race(torch.zeros(2, 8), torch.tensor([1], dtype=torch.int32), _at(0), 1.0)
+    with pytest.raises(ValueError, match="rows, vocabulary"):
+        rs.race(torch.zeros(8), _at(1), _at(0), 1.0)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 10), (32, 151936), (128, 151936), (4000, 1505), (8, 700)])
+def test_slices_cover_the_vocabulary_in_whole_iterations(rows, vocab):
+    count, chunk = rs.splits(rows, vocab)
+    assert 1 <= count <= rs.MAX_SPLITS and chunk % (4 * rs.QUARTER) == 0
+    assert count * chunk >= vocab and (count - 1) * chunk < vocab + chunk
+
+
+def test_the_recorded_step_draws_repeatably_and_keeps_the_books(tiny):  # noqa: F811
+    """Compiled, the loop draws inside its recorded step (`GraphDecoder._step`): a seed repeats its responses,
+    another seed draws others, everything after a row's EOS is padding, and a batch whose rows are all done stops
+    at the next check. Greedy, it gives the eager loop's tokens (`test_rollout`)."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    decoder = GraphDecoder(copy.deepcopy(model), compile=True, sync_every=4)
+    assert decoder.sample_in_graph
+    kwargs = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids}
+    a, b, c = (decoder.generate(input_ids, mask, generator=torch.Generator().manual_seed(s), **kwargs)
+               for s in (4, 4, 5))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    lengths = response_mask_from(a, eos_ids, pad_id).sum(1)
+    assert lengths.lt(40).any()  # the tiny model stops
+    for row, length in zip(a, lengths.tolist(), strict=True):
+        assert (row[length:] == pad_id).all()
+        assert length == 40 or row[length - 1].item() in eos_ids
+    # the loop stops at the first check (every 4 tokens) after every row's EOS: the last step it ran drew the
+    # token before that check (c was drawn last)
+    longest = int(response_mask_from(c, eos_ids, pad_id).sum(1).max())
+    check = -(-max(longest, 1) // 4) * 4
+    assert int(decoder._cache_slot[3].step) == min(check, 40) - 1
+    eager = GraphDecoder(copy.deepcopy(model), compile=False, sync_every=4)
+    assert not eager.sample_in_graph
