@@ -133,9 +133,10 @@ class RolloutConfig:
     # [experimental] hf on CUDA: transformers' static KV cache and compiled decode step (cuda_graph is faster)
     static_cache: bool = False
     # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph, q/k/v and gate/up projections
-    # merged; with the triton attention every batch is padded to data.max_prompt_length (to a multiple of 64): one
-    # recording a run, its largest KV cache from the first step, held through training. A GPU default at ZeRO-1/2
-    # without optimizer offload where the triton attention runs (zbench.config.graph_loop_measured)
+    # merged, each distinct prompt prefilled once; with top_p 1 the graph also draws the token
+    # (zbench.engine.race_sampling); with the triton attention every batch is padded to data.max_prompt_length (to a
+    # multiple of 64): one recording a run, its largest KV cache from the first step, held through training. A GPU
+    # default at ZeRO-1/2 without optimizer offload where the triton attention runs (zbench.config.graph_loop_measured)
     cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
@@ -650,9 +651,12 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     what only vLLM does (tensor parallelism, its sampling log-probs, its eager mode). Measured there: PPO's reference
     config (32 rows a GPU), ZeRO-1 and ZeRO-2, 2.05-2.06 s a step against vLLM's 2.43-2.46 s in one run on
     2 x H200, at 4.1 GB more GPU memory in use (34 against 30 GB): the loop's KV cache and replica stay on the GPU
-    through training (results/reference/h200x2-one-width-20261127). Elsewhere vLLM: alone (GRPO, no critic) the loop's
-    32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows vLLM was as fast or faster on the
-    fastest host and the held cache would be 15 GB."""
+    through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
+    and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
+    and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). Elsewhere vLLM: alone (GRPO, no
+    critic) the loop's 32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows the loop now takes
+    2.01 s alone on an H200 against vLLM's 1.96-2.14 s on the fastest host measured, and its held cache would be
+    15 GB, over GRPO's memory budget."""
     r = cfg.rollout
     return (cfg.needs_critic and cfg.batch_plan().sequences_per_rank <= GRAPH_LOOP_ROWS and r.cuda_graph
             and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs and not r.enforce_eager)
