@@ -79,3 +79,30 @@ def test_the_recorded_step_draws_repeatably_and_keeps_the_books(tiny):  # noqa: 
     assert int(decoder._cache_slot[3].step) == min(check, 40) - 1
     eager = GraphDecoder(copy.deepcopy(model), compile=False, sync_every=4)
     assert not eager.sample_in_graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded step and the race kernel need CUDA")
+def test_the_recorded_step_with_its_draw_on_cuda(tiny):  # noqa: F811
+    """On CUDA the step with its draw is one recorded graph: greedy, its tokens are the eager loop's (which draws
+    between steps); sampled, a seed repeats its responses across replays and another seed draws others, and the
+    race kernel ran inside the graph in place of the eager softmax."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    ids, mask = input_ids.cuda(), mask.cuda()
+    kwargs = {"max_new_tokens": 24, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids}
+    eager = GraphDecoder(copy.deepcopy(model).cuda(), compile=False).generate(
+        ids, mask, temperature=0.0, generator=None, **kwargs)
+    recorded = GraphDecoder(copy.deepcopy(model).cuda(), compile=True)
+    assert recorded.sample_in_graph
+    assert torch.equal(recorded.generate(ids, mask, temperature=0.0, generator=None, **kwargs), eager)
+
+    def sampled(seed: int) -> torch.Tensor:
+        return recorded.generate(ids, mask, temperature=1.0, generator=torch.Generator("cuda").manual_seed(seed),
+                                 **kwargs)
+
+    first = sampled(8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = sampled(8)
+    assert torch.equal(first, again) and not torch.equal(first, sampled(9))
+    names = {e.name for e in prof.events()}
+    assert "_race" in names and not any("SoftMax" in name for name in names)
