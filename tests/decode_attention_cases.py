@@ -3,7 +3,7 @@ Triton's interpreter: the kernels alone over masks with left padding, holes, an 
 nothing; then the whole model's decode logits and `GraphDecoder`'s tokens with the kernels against the SDPA path.
 
 Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a process of their own that sets it first
-(`test_decode_attention.py`); collected anywhere else they skip."""
+(`test_triton_kernels.py`); collected anywhere else they skip."""
 
 import copy
 import os
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_decode_attention.py",
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_triton_kernels.py",
                 allow_module_level=True)
 pytest.importorskip("triton")
 

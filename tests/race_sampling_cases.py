@@ -3,7 +3,7 @@ through Triton's interpreter: it draws from softmax(logits / T), across the slic
 in the last, partly filled iteration, never a column outside the vocabulary, and repeats for its (seed, step).
 
 Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a process of their own that sets it first
-(`test_race_sampling.py`); collected anywhere else they skip. The interpreter runs a program at a time, so the
+(`test_triton_kernels.py`); collected anywhere else they skip. The interpreter runs a program at a time, so the
 kernel's blocks are made small here (`QUARTER`) to keep the vocabularies several iterations and slices long."""
 
 import os
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_race_sampling.py",
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: run through test_triton_kernels.py",
                 allow_module_level=True)
 pytest.importorskip("triton")
 
