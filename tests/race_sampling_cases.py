@@ -6,6 +6,7 @@ Triton reads `TRITON_INTERPRET` when it is imported, so these cases run in a pro
 (`test_triton_kernels.py`); collected anywhere else they skip. The interpreter runs a program at a time, so the
 kernel's blocks are made small here (`QUARTER`) to keep the vocabularies several iterations and slices long."""
 
+import math
 import os
 
 import pytest
@@ -16,8 +17,18 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
+import triton  # after the interpreter check, which triton must not precede
+import triton.language as tl
+
 from zbench.engine import race_sampling as rs
+from zbench.engine._race_kernels import _exponential
 from zbench.engine.decode_attention import available
+
+
+@triton.jit
+def _apply_exponential(bits_ptr, out_ptr, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(out_ptr + at, _exponential(tl.load(bits_ptr + at)))
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +80,15 @@ def test_strided_rows_and_the_greedy_limit():
     assert torch.equal(rs.race(logits, _at(0), _at(0), 0.0), logits.argmax(-1))
     assert torch.equal(rs.race(logits, _at(0), _at(0), 1e-4), logits.argmax(-1))  # the noise cannot reorder them
     assert rs.race(logits, _at(3), _at(9), 1.0).max() < 130
+
+
+def test_exponential_draws_hold_their_bits_at_both_ends():
+    """-log(1 - v) from 32 bits, v their midpoint: near 0 the series keeps the bits apart (these draws win the race),
+    and near 1 the complemented bits keep 1 - v off 0, so no column is ever ruled out."""
+    bits = [0, 1, 2, 2**20, 2**22 - 1, 2**22, 2**31, 2**32 - 2**22, 2**32 - 129, 2**32 - 128, 2**32 - 2, 2**32 - 1]
+    bits += [0] * (16 - len(bits))
+    out = torch.empty(16, dtype=torch.float32)
+    _apply_exponential[(1,)](torch.tensor(bits, dtype=torch.int64).to(torch.uint32), out, N=16)
+    for r, e in zip(bits, out.tolist(), strict=True):
+        expected = -math.log1p(-(r + 0.5) / 2**32)
+        assert math.isfinite(e) and e == pytest.approx(expected, rel=2e-6), (r, e, expected)

@@ -38,7 +38,7 @@ def test_bad_inputs_are_refused():
 def test_slices_cover_the_vocabulary_in_whole_iterations(rows, vocab):
     count, chunk = rs.splits(rows, vocab)
     assert 1 <= count <= rs.MAX_SPLITS and chunk % (4 * rs.QUARTER) == 0
-    assert count * chunk >= vocab and (count - 1) * chunk < vocab + chunk
+    assert count * chunk >= vocab and (count - 1) * chunk < vocab  # every slice holds columns of the vocabulary
 
 
 def test_the_recorded_step_draws_repeatably_and_keeps_the_books(tiny):  # noqa: F811
@@ -56,7 +56,6 @@ def test_the_recorded_step_draws_repeatably_and_keeps_the_books(tiny):  # noqa: 
     assert lengths.lt(40).any()  # the tiny model stops
     for row, length in zip(a, lengths.tolist(), strict=True):
         assert (row[length:] == pad_id).all()
-        assert length == 40 or row[length - 1].item() in eos_ids
     # the loop stops at the first check (every 4 tokens) after every row's EOS: the last step it ran drew the
     # token before that check (c was drawn last)
     longest = int(response_mask_from(c, eos_ids, pad_id).sum(1).max())

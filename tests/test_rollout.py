@@ -65,20 +65,22 @@ def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
 
 def test_prefill_runs_each_distinct_prompt_once_from_the_first_attended_column(tiny):
     """GRPO's samples of a prompt arrive as equal rows, and the replica pads every batch to one wide width: the
-    prefill computes each distinct prompt once, from the first column any row attends, and every row decodes as
-    it would after a prefill of its own at the full width (greedy tokens equal generate's)."""
+    prefill computes each distinct prompt once (a row of the same tokens under another mask is another prompt), from
+    the first column any row attends, and every row decodes as it would after a prefill of its own at the full
+    width (greedy tokens equal generate's, in float32)."""
     model, pad_id, eos_ids, input_ids, mask = tiny
-    rows = torch.tensor([0, 0, 0, 1, 1, 4, 4, 2])  # prompts 0, 1, 4, 2 repeated, as a step's n samples
+    rows = torch.tensor([0, 0, 0, 1, 1, 4, 4, 2, 2])  # prompts 0, 1, 4, 2 repeated, as a step's n samples
     extra = 7  # more left padding than any prompt has
     ids = F.pad(input_ids[rows], (extra, 0), value=pad_id)
     attend = F.pad(mask[rows], (extra, 0))
+    attend[-1, attend[-1].argmax()] = 0  # the last copy of prompt 2 without its first token: the same ids, masked
     shapes = []
     hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
     ours = GraphDecoder(model, compile=False, sync_every=4).generate(
         ids, attend, max_new_tokens=20, temperature=0.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids, generator=None)
     hook.remove()
-    # 4 distinct prompts, from the first column one of them attends: the longest prompt's width
-    assert shapes[0] == (4, int(mask[rows].sum(1).max())) and ids.shape[1] > shapes[0][1] + extra
+    # 5 distinct prompts, from the first column one of them attends: the longest prompt's width
+    assert shapes[0] == (5, int(mask[rows].sum(1).max())) and ids.shape[1] > shapes[0][1] + extra
     assert all(shape[1] == 1 for shape in shapes[1:])  # then one token a step
     cfg = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=pad_id, eos_token_id=eos_ids)
     sdpa = copy.deepcopy(model)
@@ -91,6 +93,29 @@ def test_prefill_runs_each_distinct_prompt_once_from_the_first_attended_column(t
         ids, attend, max_new_tokens=20, temperature=1.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids,
         generator=torch.Generator().manual_seed(3))
     assert not torch.equal(sampled[0], sampled[1]) or not torch.equal(sampled[1], sampled[2])
+
+
+def test_a_sliding_window_model_prefills_every_row_at_the_full_width(tiny):
+    """A layer whose static cache keeps only a window (or anything but transformers' plain StaticLayer) takes no
+    scratch-cache copy: every row is prefilled at the full width, and decodes as generate does."""
+    model, pad_id, _, input_ids, mask = tiny
+    config = copy.deepcopy(model.config)
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window, config.use_sliding_window = 16, True
+    torch.manual_seed(0)
+    windowed = AutoModelForCausalLM.from_config(config).eval()
+    rows = torch.tensor([0, 0, 3])
+    ids, attend = input_ids[rows], mask[rows]
+    shapes = []
+    hook = windowed.get_input_embeddings().register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
+    ours = GraphDecoder(copy.deepcopy(windowed), compile=False).generate(
+        ids, attend, max_new_tokens=12, temperature=0.0, top_p=1.0, pad_id=pad_id, eos_ids=[], generator=None)
+    hook.remove()
+    assert shapes[0] == ids.shape  # no distinct-prompt prefill
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=pad_id)
+    windowed.set_attn_implementation("sdpa")
+    ref = windowed.generate(input_ids=ids, attention_mask=attend, generation_config=cfg)[:, ids.shape[1]:]
+    assert torch.equal(ours, ref)
 
 
 def test_sampling_repeats_per_seed_and_the_rollout_masks_after_eos(tiny):

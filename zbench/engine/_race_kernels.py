@@ -8,11 +8,13 @@ import triton.language as tl
 
 @triton.jit
 def _exponential(r):
-    """An Exp(1) draw from 32 random bits: -log(1 - v), v the bits' midpoint in [0, 1); a series below 2**-10,
-    where 1 - v would round away the bits that separate the smallest draws (which win the race)."""
+    """An Exp(1) draw from 32 random bits: -log(1 - v), v the bits' midpoint in (0, 1). 1 - v is taken from the
+    complemented bits, so it never rounds to 0 (where the largest bits would rule their column out); below v = 2**-10
+    a series, where 1 - v would round away the bits that separate the smallest draws (which win the race)."""
     v = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    rest = ((~r).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 1 - v
     small = v * (1.0 + v * (0.5 + v * 0.3333333333333333))
-    return tl.where(v < 0.0009765625, small, -tl.log(1.0 - v))
+    return tl.where(v < 0.0009765625, small, -tl.log(rest))
 
 
 @triton.jit

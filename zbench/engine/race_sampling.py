@@ -35,7 +35,8 @@ def splits(rows: int, vocab: int) -> tuple[int, int]:
     step = 4 * QUARTER
     iterations = -(-vocab // step)
     count = max(1, min(MAX_SPLITS, iterations, -(-PROGRAMS // max(rows, 1))))
-    return count, -(-iterations // count) * step
+    per = -(-iterations // count)
+    return -(-iterations // per), per * step  # no slice wholly past the vocabulary
 
 
 @torch.library.custom_op("zbench::race", mutates_args=())

@@ -189,8 +189,8 @@ class LoopState:
 
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
-    `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length) and
-    replayed for every new token. The prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with
+    `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
+    the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with
     top_p 1, the recorded step also draws the next token and keeps the books (`_step`, `race_sampling`), so a token
     costs the host one graph replay; otherwise sampling runs between replays on the device with a seeded generator
     (`sample_tokens`). The host checks for all-finished rows only every `sync_every` tokens. With `compile=False`
@@ -213,7 +213,10 @@ class GraphDecoder:
         self.compile = compile
         self.sync_every = sync_every
         # the recorded step draws its token and keeps the books too (`race_sampling`), where top_p does not cut
-        self.sample_in_graph = sample_in_graph and compile
+        from zbench.engine.race_sampling import available
+
+        device = next(model.parameters()).device
+        self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
         self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
         self._decode = self._forward
         self._decode_and_draw = self._step
@@ -275,15 +278,17 @@ class GraphDecoder:
         Each distinct prompt runs once, and only from the first column some row attends: GRPO's `n` samples of a
         prompt arrive as `n` equal rows, and the replica pads every batch to one wide prompt width for its recorded
         step (`one_prompt_width`), which the eager prefill would otherwise compute (at 128 rows, 32 prompts x 4,
-        padded to 512: about 0.43 s of a 2.44 s rollout's kernels on an H200, results/reference/h200-prefill-20261127).
-        The distinct prompts' keys and values go through a scratch cache into their rows' slots of the static
-        cache, at the columns they hold there. A model with sliding-window layers, whose caches keep only the window,
-        prefills every row at the full width."""
+        padded to 512: 0.39 s of a rollout's 2.38 s of kernels on an H200, results/reference/h200-prefill-20261127).
+        The distinct prompts' keys and values go through a scratch cache (about 0.9 GB at 32 prompts of the
+        Qwen3-0.6B shape, while it lasts) into their rows' slots of the static cache, at the columns they hold there.
+        Where a layer's static cache is anything but transformers' plain `StaticLayer` (a sliding window keeps only
+        the window; indexer keys, recurrent states), or a transformers too old to place a write by
+        `cumulative_length`, every row prefills at the full width."""
         from transformers.cache_utils import DynamicCache, StaticLayer
 
         width = input_ids.shape[1]
         layers = getattr(cache, "layers", [])
-        if not layers or not all(isinstance(layer, StaticLayer) and not layer.is_sliding for layer in layers):
+        if not layers or not all(type(layer) is StaticLayer and hasattr(layer, "cumulative_length") for layer in layers):
             return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
         attended = attention_mask.bool().any(0)
@@ -312,7 +317,7 @@ class GraphDecoder:
         logits = self._prefill(input_ids, attention_mask, positions, cache, mask)
         if self.sample_in_graph and top_p >= 1.0:
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
-                                           pad_id=pad_id, seed=generator.initial_seed() if generator else 0)
+                                           pad_id=pad_id, seed=self._seed(generator))
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -330,6 +335,13 @@ class GraphDecoder:
             logits = self._decode(tok[:, None], pos, mask, cache)
             pos = pos + 1
         return out
+
+    @staticmethod
+    def _seed(generator: torch.Generator | None) -> int:
+        """The in-graph draw's seed: the generator's (the seed it was made with, however far it has drawn since), or
+        one from torch's global generator where none is given, as the eager draw would use it."""
+        seed = generator.initial_seed() if generator is not None else int(torch.randint(2**62, ()))
+        return seed % 2**63
 
     def _generate_in_graph(self, logits: torch.Tensor, positions: torch.Tensor, width: int, mask: torch.Tensor,
                            cache: Any, state: LoopState, *, temperature: float, pad_id: int,
