@@ -78,9 +78,10 @@ def _check(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> None
 
 
 def _race_with_generator(logits: torch.Tensor, seed: int, step: int, temperature: float) -> torch.Tensor:
-    """The race where Triton cannot run: a CPU generator seeded from (seed, step)."""
+    """The race where Triton cannot run: the eager loop's draw (`sample_tokens`), its generator seeded from
+    (seed, step)."""
+    from zbench.engine.rollout import sample_tokens
+
     generator = torch.Generator(logits.device).manual_seed((seed * 1_000_003 + step) % 2**63)
-    scores = logits.float() / temperature
-    draws = torch.empty_like(scores).exponential_(generator=generator)
-    return (scores - draws.log()).argmax(dim=-1)
+    return sample_tokens(logits, temperature, 1.0, generator)
 

@@ -190,10 +190,10 @@ class LoopState:
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
-    the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with
-    top_p 1, the recorded step also draws the next token and keeps the books (`_step`, `race_sampling`), so a token
-    costs the host one graph replay; otherwise sampling runs between replays on the device with a seeded generator
-    (`sample_tokens`). The host checks for all-finished rows only every `sync_every` tokens. With `compile=False`
+    the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The
+    prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with top_p 1, the recorded step also
+    draws the next token and keeps the books (`_step`, `race_sampling`), so a token costs the host one graph replay;
+    otherwise sampling runs between replays on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every `sync_every` tokens. With `compile=False`
     (CPU) the same loop runs eagerly, which is how it is tested against `generate`.
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
@@ -213,7 +213,7 @@ class GraphDecoder:
         self.compile = compile
         self.sync_every = sync_every
         # the recorded step draws its token and keeps the books too (`race_sampling`), where top_p does not cut
-        from zbench.engine.race_sampling import available
+        from zbench.engine.decode_attention import available
 
         device = next(model.parameters()).device
         self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
@@ -229,6 +229,10 @@ class GraphDecoder:
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
+
+    def draws_in_graph(self, top_p: float) -> bool:
+        """Whether `generate` at this top_p draws inside the recorded step (`_step`) rather than between steps."""
+        return self.sample_in_graph and top_p >= 1.0
 
     def _step(self, mask: torch.Tensor, cache: Any, state: LoopState, temperature: float, pad_id: int) -> None:
         """One decode step with its draw and bookkeeping, for one recorded graph: attend the token fed (its mask
@@ -315,7 +319,7 @@ class GraphDecoder:
         mask[:, :width] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = self._prefill(input_ids, attention_mask, positions, cache, mask)
-        if self.sample_in_graph and top_p >= 1.0:
+        if self.draws_in_graph(top_p):
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
                                            pad_id=pad_id, seed=self._seed(generator))
         eos = torch.tensor(eos_ids, device=device)
@@ -417,7 +421,7 @@ class HFRollout:
         `sample_tokens`); None without the graph loop."""
         if self.graph is None:
             return None
-        return "in-graph" if self.graph.sample_in_graph and self.top_p >= 1.0 else "eager"
+        return "in-graph" if self.graph.draws_in_graph(self.top_p) else "eager"
 
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""
