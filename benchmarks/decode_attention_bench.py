@@ -4,9 +4,13 @@ positions, for each kernel geometry asked. Each variant is captured as a CUDA gr
 replayed, as in the decode step, so launch overhead counts as it does there.
 
 The mask is a rollout's midpoint: half the rows left-padded by `--pad` positions, every row filled to
-`--width + --filled` of `--width + --new-tokens`. One JSON line per measurement:
+`--width + --filled` of `--width + --new-tokens`. With `--share n` (several: each in turn) the rows come as runs of n
+samples of one prompt, equal over the prompt's `--width` positions, and the kernels read that part once a run
+(`decode_attention`'s `share` and `prefix`). One JSON line per measurement:
 
     python benchmarks/decode_attention_bench.py --batch 32 128 --width 192 --new-tokens 512 --filled 256
+    python benchmarks/decode_attention_bench.py --batch 128 --width 512 --pad 337 --share 1 4 --block 64 \
+        --chunk-blocks 4 --warps 4 --stages 3
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def main() -> None:
     parser.add_argument("--chunk-blocks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--share", type=int, nargs="+", default=[1],
+                        help="rows a run that read their prompt's positions once (1: every row its own)")
     parser.add_argument("--trim", nargs="+", default=["on"], choices=("on", "off"),
                         help="each program loops only between its slice's first and last kept positions (on, the "
                              "default), or over the whole slice")
@@ -77,6 +83,10 @@ def main() -> None:
         mask = torch.zeros(batch, length, dtype=torch.bool, device="cuda")
         mask[:, : args.width + args.filled] = True
         mask[: batch // 2, : args.pad] = False
+        for share in args.share:  # one prompt a run, for every share asked (a row's prompt part = its run's first)
+            if batch % share == 0:
+                for part in (k, v):
+                    part[:, :, : args.width] = part[::share, :, : args.width].repeat_interleave(share, 0)
         mask4 = mask[:, None, None, :]
         scale = args.dim ** -0.5
         reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask4, scale=scale)
@@ -84,15 +94,17 @@ def main() -> None:
         sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask4, scale=scale),
                              args.layers, args.repeats)
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
-        for block, chunk, warps, stages, trim in itertools.product(args.block, args.chunk_blocks, args.warps,
-                                                                   args.stages, args.trim):
+        for block, chunk, warps, stages, trim, share in itertools.product(
+                args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share):
+            if batch % share:
+                continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
-                              "stages": stages, "trim": trim, "splits": da.slices(length)[0]}
+                              "stages": stages, "trim": trim, "share": share, "splits": da.slices(length)[0]}
+            call = functools.partial(da.decode_attention, q, k, v, mask, scale, share, args.width if share > 1 else 0)
             try:  # a geometry can exceed the GPU's shared memory: say so and go on with the sweep
-                error = (da.decode_attention(q, k, v, mask, scale).float() - reference).abs().max().item()
-                us = graph_time(functools.partial(da.decode_attention, q, k, v, mask, scale), args.layers,
-                                args.repeats)
+                error = (call().float() - reference).abs().max().item()
+                us = graph_time(call, args.layers, args.repeats)
             except (OutOfResources, RuntimeError) as exc:
                 print(json.dumps(variant | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}), flush=True)
                 continue

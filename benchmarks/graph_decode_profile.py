@@ -57,6 +57,10 @@ def main() -> None:
                         help="where a token is drawn: inside the recorded step with its bookkeeping (GraphDecoder's "
                              "default, zbench.engine.race_sampling) or by eager kernels between replays (each "
                              "measured in turn, on a fresh copy of the model)")
+    parser.add_argument("--share", nargs="+", default=["on"], choices=("on", "off"),
+                        help="with --data and --n > 1: the Triton attention reads each prompt's part of the cache once "
+                             "for its n samples (GraphDecoder's default, told the rows' n), or once a row (each "
+                             "measured in turn, on a fresh copy of the model)")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
@@ -98,18 +102,20 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler in itertools.product(args.attention, args.merge, args.sampler):
+    for attention, merge, sampler, share in itertools.product(args.attention, args.merge, args.sampler, args.share):
+        samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph")
         for ids, mask in batches:
             batch, width = ids.shape
 
             def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
-                        graph: GraphDecoder = graph) -> float:
+                        graph: GraphDecoder = graph, samples: int = samples) -> float:
                 sync()
                 start = time.perf_counter()
                 graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
-                               pad_id=0, eos_ids=[], generator=torch.Generator(device).manual_seed(seed))
+                               pad_id=0, eos_ids=[], generator=torch.Generator(device).manual_seed(seed),
+                               samples=samples)
                 sync()
                 return time.perf_counter() - start
 
@@ -119,6 +125,7 @@ def main() -> None:
             times = [rollout(1 + i) for i in range(args.repeats)]
             row = base | {"attention": attention, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
+                          "shared_rows": graph.shared_prefix[0],
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

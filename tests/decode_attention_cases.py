@@ -60,12 +60,13 @@ def test_models_the_kernels_do_not_compute_are_named(fields, dtype, why):
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Counts the calls that reach the kernels (the attention imports the op at each call)."""
+    """The calls that reach the kernels (the attention imports the op at each call): each query's shape, and the
+    shared prefix (share, prefix) the call was given."""
     calls = []
     real = da.decode_attention
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape, *args[5:7]))  # the query's shape, and (share, prefix) as the hook passes them
         return real(*args, **kwargs)
 
     monkeypatch.setattr(da, "decode_attention", counted)
@@ -138,6 +139,40 @@ def test_slices_longer_than_one_scan(monkeypatch, trim):
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     k2, v2 = k.masked_fill(~mask[:, None, :, None], float("nan")), v.masked_fill(~mask[:, None, :, None], 1e30)
     assert torch.equal(da.decode_attention(q, k2, v2, mask, 0.25), got)
+
+
+@pytest.mark.parametrize(("share", "group", "prefix"), [(4, 2, 120), (2, 3, 64), (8, 1, 300), (4, 2, 0)])
+def test_a_shared_prefix_is_read_once_a_run(share, group, prefix):
+    """Runs of `share` rows with equal keys, values and mask over the first `prefix` positions (GRPO's samples of
+    a prompt): the result equals SDPA's, and it reads that part from each run's first row only (garbage in the
+    other rows' prefix changes nothing), while past the prefix every row still reads its own."""
+    batch, length, dim = 8, 300, 32
+    g = torch.Generator().manual_seed(share * 100 + prefix)
+    q = torch.randn(batch, 2, group, dim, generator=g)
+    k, v = (torch.randn(batch, 2, length, dim, generator=g) for _ in range(2))
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for row in range(batch):
+        lead = row // share * share
+        mask[row, 20 + 7 * (row // share): prefix] = True  # the run's prompt, left-padded by run
+        mask[row, prefix: prefix + 30 + 17 * row] = True  # its own response so far
+        k[row, :, :prefix], v[row, :, :prefix] = k[lead, :, :prefix], v[lead, :, :prefix]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=dim ** -0.5)
+    got = da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    others = (torch.arange(batch) % share != 0)[:, None, None, None] & (torch.arange(length) < prefix)[:, None]
+    k2, v2 = k.masked_fill(others, float("nan")), v.masked_fill(others, 1e30)
+    assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5, share, prefix), got)
+    if prefix:  # without the promise, every row reads its own prefix: the garbage shows
+        assert da.decode_attention(q, k2, v2, mask, dim ** -0.5).isnan().any()
+
+
+def test_a_shared_prefix_needs_whole_runs():
+    q, k = torch.randn(6, 1, 2, 16), torch.randn(6, 1, 40, 16)
+    mask = torch.ones(6, 40, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"share=4, prefix=10 for 6 rows .* whole runs of `share`"):
+        da.decode_attention(q, k, k, mask, 0.25, 4, 10)
+    with pytest.raises(ValueError, match=r"0 <= prefix <= 40"):
+        da.decode_attention(q, k, k, mask, 0.25, 2, 41)
 
 
 def test_bad_inputs_are_refused_not_misread():
@@ -226,6 +261,28 @@ def test_graph_decoder_tokens_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
     assert torch.equal(ours, sdpa)
     steps = len(op_calls) // model.config.num_hidden_layers  # every decode step of every layer, none on SDPA
     assert steps >= 1 and len(op_calls) == steps * model.config.num_hidden_layers
+
+
+def test_graph_decoder_reads_each_prompt_once_for_its_samples(tiny, op_calls):  # noqa: F811
+    """GRPO's rows: 3 prompts x 3 samples, as consecutive runs. The Triton loop told `samples=3` reads each prompt's
+    part of the cache once a run (`shared_prefix`) and decodes what SDPA decodes; rows that are not runs of one
+    prompt share nothing."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    ids, m = input_ids[:3].repeat_interleave(3, 0), mask[:3].repeat_interleave(3, 0)
+    sdpa = GraphDecoder(copy.deepcopy(model), compile=False, attention="sdpa")
+    expected = sdpa.generate(ids, m, samples=3, **kwargs)
+    assert sdpa.shared_prefix == (1, 0)  # SDPA reads every row's cache whatever it is told
+    ours = GraphDecoder(copy.deepcopy(model), compile=False, attention="triton")
+    assert torch.equal(ours.generate(ids, m, samples=3, **kwargs), expected)
+    assert ours.shared_prefix == (3, ids.shape[1])
+    layers, width = model.config.num_hidden_layers, ids.shape[1]
+    assert len(op_calls) >= layers and {call[1:] for call in op_calls} == {(3, width)}  # every step's, every layer's
+    mixed = [0, 1, 3, 2, 4, 5, 6, 7, 8]  # the first run holds two prompts
+    op_calls.clear()
+    ours.generate(ids[mixed], m[mixed], samples=3, **kwargs)
+    assert ours.shared_prefix == (1, 0) and {call[1:] for call in op_calls} == {(1, 0)}
 
 
 def test_an_unknown_attention_is_refused(tiny):  # noqa: F811

@@ -291,6 +291,21 @@ def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
+def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
+    """GRPO's rows on CUDA, 3 prompts x 4 samples: the recorded step that reads each prompt's keys once a run
+    decodes the greedy tokens SDPA's recorded step decodes."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None, "samples": 4}
+    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    sdpa = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="sdpa").generate(ids, mask, **kwargs)
+    shared = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+    assert torch.equal(shared.generate(ids, mask, **kwargs), sdpa)
+    assert shared.shared_prefix == (4, ids.shape[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compiled kernels need CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_decode_attention_in_half_precision_on_cuda(dtype):
@@ -310,6 +325,14 @@ def test_triton_decode_attention_in_half_precision_on_cuda(dtype):
         theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
         ours_err, sdpa_err = ((t.float() - exact).abs().max().item() for t in (ours, theirs))
         assert ours.dtype == dtype and ours_err <= 2 * sdpa_err + 1e-3, (batch, length, ours_err, sdpa_err)
+        if batch % 4 == 0:  # runs of 4 rows with one prompt's keys over the first third: read once a run
+            prefix = length // 3
+            for part in (k, v):
+                part[:, :, :prefix] = part[::4, :, :prefix].repeat_interleave(4, 0)
+            mask[:, :prefix] = mask[::4, :prefix].repeat_interleave(4, 0)
+            exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None, None, :])
+            shared = decode_attention(q, k, v, mask, 128 ** -0.5, 4, prefix)
+            assert (shared.float() - exact).abs().max().item() <= 2 * sdpa_err + 1e-3, (batch, length, "shared")
 
 
 def test_bench_gen_graph_says_which_attention_ran_and_agrees_with_generate(monkeypatch):

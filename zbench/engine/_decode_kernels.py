@@ -9,38 +9,47 @@ import triton.language as tl
 @triton.jit
 def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
-             length, chunk, scale,
+             start, stop, chunk, first_split, scale,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
-             TRIM: tl.constexpr, SCAN: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
+             TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr):
+    # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1): the run's rows hold
+    # the same keys, values and mask there, so the program reads them once, from the run's first row, for all of its
+    # rows' queries (SHARE 1: every row on its own)
+    run = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
     h = tl.program_id(1)
     s = tl.program_id(2)
-    # the group's query heads are the rows of a tensor-core tile, padded to ROWS (tl.dot needs 16)
-    g = tl.arange(0, ROWS)
+    b = run * SHARE  # the row whose keys, values and mask the program reads
+    # the rows of a tensor-core tile (tl.dot needs 16): the group's query heads of each row of the run, GROUP_P2
+    # tile rows a row
+    r = tl.arange(0, ROWS)
+    row = b + r // GROUP_P2
+    g = r % GROUP_P2
     d = tl.arange(0, DIM)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+    ours = (r // GROUP_P2 < SHARE) & (g < GROUP)
+    q = tl.load(q_ptr + row[:, None] * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=ours[:, None],
+                other=0.0)
     run_max = tl.full([ROWS], float("-inf"), tl.float32)
     run_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
-    lo = s * chunk
-    hi = tl.maximum(tl.minimum(lo + chunk, length), lo)  # a trailing slice past the cache is empty: hi == lo
+    lo = start + s * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, stop), lo)  # a trailing slice past the range is empty: hi == lo
     if TRIM:
         # the slice's first and last kept positions, from its mask bytes alone (SCAN at a time, one load for a
         # slice of SCAN or fewer): the loop below runs only over the blocks between them, so left padding and the
         # cache's unwritten tail cost no iterations (positions masked off between them are skipped by `keep`)
         first = hi
         last = lo - 1
-        for start in range(lo, hi, SCAN):
-            n = start + tl.arange(0, SCAN)
+        for at in range(lo, hi, SCAN):
+            n = at + tl.arange(0, SCAN)
             inside = n < hi
             kept = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
             first = tl.minimum(first, tl.min(tl.where(kept, n, hi), 0))
             last = tl.maximum(last, tl.max(tl.where(kept, n, lo - 1), 0))
         lo = lo + (first - lo) // BLOCK * BLOCK  # block-aligned; at or past the new `hi` when nothing is kept
         hi = last + 1
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        n = start + tl.arange(0, BLOCK)
+    for at in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        n = at + tl.arange(0, BLOCK)
         inside = n < hi
         keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
         k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
@@ -55,30 +64,33 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         run_sum = run_sum * rescale + tl.sum(p, 1)
         run_max = new_max
-    # only the group's own rows (GROUP_P2 of them, the padding's zeros past GROUP) go to the combine
-    slot = ((b * HEADS + h) * SPLITS + s) * GROUP_P2
-    rows = g < GROUP_P2
-    tl.store(acc_ptr + (slot + g[:, None]) * DIM + d[None, :], acc, mask=rows[:, None])
-    tl.store(max_ptr + slot + g, run_max, mask=rows)
-    tl.store(sum_ptr + slot + g, run_sum, mask=rows)
+    # each row's own tile rows (GROUP_P2 of them, the padding's zeros past GROUP) go to the combine, at its slice
+    slot = ((row * HEADS + h) * SPLITS + first_split + s) * GROUP_P2 + g
+    kept_rows = r // GROUP_P2 < SHARE
+    tl.store(acc_ptr + slot[:, None] * DIM + d[None, :], acc, mask=kept_rows[:, None])
+    tl.store(max_ptr + slot, run_max, mask=kept_rows)
+    tl.store(sum_ptr + slot, run_sum, mask=kept_rows)
 
 
 @triton.jit
-def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g,
+def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, used,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
              HEADS: tl.constexpr):
+    # the first `used` of SPLITS slices were written (SPLITS: a power of 2, for the tile); the rest weigh nothing
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, DIM)
     slot = ((b * HEADS + h) * SPLITS + s[:, None]) * GROUP_P2 + g[None, :]  # (SPLITS, GROUP_P2)
-    maxes = tl.load(max_ptr + slot)
+    written = (s < used)[:, None]
+    maxes = tl.load(max_ptr + slot, mask=written, other=float("-inf"))
     top = tl.max(maxes, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp(maxes - top[None, :])  # a slice with no kept position weighs 0
-    total = tl.sum(weight * tl.load(sum_ptr + slot), 0)
-    parts = tl.load(acc_ptr + slot[:, :, None] * DIM + d[None, None, :])  # (SPLITS, GROUP_P2, DIM)
+    total = tl.sum(weight * tl.load(sum_ptr + slot, mask=written, other=0.0), 0)
+    parts = tl.load(acc_ptr + slot[:, :, None] * DIM + d[None, None, :], mask=written[:, :, None],
+                    other=0.0)  # (SPLITS, GROUP_P2, DIM)
     out = tl.sum(parts * weight[:, :, None], 0) / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g[:, None] < GROUP)

@@ -16,6 +16,12 @@ It keeps the running max, normaliser and weighted sum of its slice in float32; `
 to their common max and adds them up. Both launch with a fixed grid and no host sync, so they are recorded into the
 decode step's CUDA graph like any kernel; `torch.compile` sees them as one opaque operator (`zbench::decode_attention`).
 
+A shared prefix: GRPO samples each prompt n times, and the n rows of a prompt hold the same keys and values over the
+prompt's columns (`GraphDecoder._prefill` writes one computation into all of them). With `share=n, prefix=width`
+the prompt's columns are read by one program per run of n rows, whose tile holds the queries of all n rows, and
+only the columns past the prompt by one program a row; the combine merges both kinds of slice. At 128 rows of 32
+prompts x 4, whose prompts average 175 tokens against 256 of response on average, that reads about 30 % fewer bytes.
+
 Triton ships with PyTorch's CUDA builds; without it (a CPU-only install) `available()` is False and the caller keeps
 SDPA. On a CPU, `TRITON_INTERPRET=1` runs the same kernels in Triton's interpreter, which is how they are tested
 against SDPA (the kernels' module is imported at the first call, so the variable need only be set before that).
@@ -39,6 +45,7 @@ MAX_SPLITS = 16
 NUM_WARPS = 4
 STAGES = 3  # software pipelining of the cache loads
 TRIM = True  # each program first finds its slice's first and last kept positions and loops only between them
+MAX_SHARED_QUERIES = 128  # rows of a shared-prefix program's tile: the queries of a run of rows, each query head
 
 
 def available(device: torch.device) -> bool:
@@ -91,45 +98,62 @@ def slices(length: int) -> tuple[int, int]:
 
 @torch.library.custom_op("zbench::decode_attention", mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, share: int = 1, prefix: int = 0) -> torch.Tensor:
     """Attention of one query per (row, query head) over a key/value cache, positions where `mask` is False skipped.
 
     query (B, H_kv, G, D): the G query heads that share each key/value head; key, value (B, H_kv, L, D); mask (B, L),
     True where the row attends. Returns (B, H_kv, G, D) in the query's dtype; a row that attends nothing gets zeros.
+
+    `share` > 1 says that each run of `share` consecutive rows holds the same keys, values and mask in its first
+    `prefix` positions (GRPO's samples of one prompt: the prompt's part of the cache): one program reads them there
+    once, from the run's first row, for the queries of all its rows; past `prefix` every row reads its own. Where
+    the rows differ there, the first row's prefix is what all of them attend (the caller must know they agree).
     """
     from zbench.engine._decode_kernels import _combine, _partial
 
-    _check(query, key, value, mask)
+    _check(query, key, value, mask, share, prefix)
     batch, heads, group, dim = query.shape
     length = key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    splits, chunk = slices(length)
+    if share == 1:
+        prefix = 0
+    # (first position, end, rows a program reads them for) of each range, and how it cuts into slices
+    ranges = [(begin, stop, rows) for begin, stop, rows in ((0, prefix, share), (prefix, length, 1)) if stop > begin]
+    cuts = [slices(stop - begin) for begin, stop, _ in ranges]
+    used = sum(splits for splits, _ in cuts)
+    splits_p2 = triton.next_power_of_2(used)
     group_p2 = triton.next_power_of_2(group)
-    stats = (batch, heads, splits, group_p2)
+    stats = (batch, heads, splits_p2, group_p2)
     acc = torch.empty(*stats, dim, dtype=torch.float32, device=query.device)
     run_max = torch.empty(stats, dtype=torch.float32, device=query.device)
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
-    _partial[(batch, heads, splits)](
-        query, key, value, mask, acc, run_max, run_sum,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-        length, chunk, scale,
-        GROUP=group, GROUP_P2=group_p2, ROWS=max(16, group_p2), DIM=dim, BLOCK=BLOCK_N, SPLITS=splits, HEADS=heads,
-        STAGES=STAGES, TRIM=TRIM, SCAN=min(1024, triton.next_power_of_2(chunk)), num_warps=NUM_WARPS)
-    _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2),
-                             GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits, HEADS=heads)
+    first_split = 0
+    for (begin, stop, rows), (splits, chunk) in zip(ranges, cuts, strict=True):
+        _partial[(batch // rows, heads, splits)](
+            query, key, value, mask, acc, run_max, run_sum,
+            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
+            begin, stop, chunk, first_split, scale,
+            GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
+            BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
+            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, num_warps=NUM_WARPS)
+        first_split += splits
+    _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
+                             GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads)
     return out
 
 
 @decode_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
-    _check(query, key, value, mask)  # while tracing, not only at the first real call
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+      share: int = 1, prefix: int = 0) -> Any:
+    _check(query, key, value, mask, share, prefix)  # while tracing, not only at the first real call
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the real output
 
 
-def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, share: int,
+           prefix: int) -> None:
     """Shapes, sizes and the mask the kernels read right; anything else would be read wrong, not refused."""
     batch, heads, _, dim = query.shape
     length = key.shape[2]
@@ -141,3 +165,7 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     if mask.dtype != torch.bool or mask.shape != (batch, length):
         raise ValueError(f"decode_attention: the mask must be bool of shape {(batch, length)} (True: attend); got "
                          f"{mask.dtype} {tuple(mask.shape)}")
+    if share < 1 or batch % share or not 0 <= prefix <= length or share * query.shape[2] > MAX_SHARED_QUERIES:
+        raise ValueError(f"decode_attention: share={share}, prefix={prefix} for {batch} rows of {length} positions "
+                         f"with {query.shape[2]} query heads a key/value head: needs rows in whole runs of `share`, "
+                         f"0 <= prefix <= {length}, and share x query heads at most {MAX_SHARED_QUERIES}")

@@ -29,6 +29,8 @@ from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
 
 GQA_DECODE = "zbench_gqa_decode"
 GQA_DECODE_SKIPPING = "zbench_gqa_decode_skipping"
+# the forward keyword that tells the Triton attention which runs of rows share their prompt's keys: (rows, columns)
+SHARED_PREFIX = "zbench_shared_prefix"
 DECODE_ATTENTION = ("sdpa", "triton")  # GraphDecoder's one-token attention: the whole cache, or the masked-in part
 
 
@@ -105,8 +107,11 @@ def gqa_decode_attention_skipping(module: nn.Module, query: torch.Tensor, key: t
     kv_heads = key.shape[1]
     folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     scale = kwargs.get("scaling") or dim ** -0.5
+    # runs of rows with one prompt read its keys once (GraphDecoder passes it where its prefill made them equal)
+    share, prefix = kwargs.get(SHARED_PREFIX) or (1, 0)
     # a mask made once for the whole batch broadcasts over the rows, as it would in SDPA
-    out = decode_attention(folded, key, value, attention_mask[:, 0, 0, :].expand(batch, -1), float(scale))
+    out = decode_attention(folded, key, value, attention_mask[:, 0, 0, :].expand(batch, -1), float(scale),
+                           share, prefix)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -218,23 +223,27 @@ class GraphDecoder:
         device = next(model.parameters()).device
         self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
         self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
+        # the last rollout's runs of rows that read their prompt's keys once: (rows a run, prompt columns), (1, 0)
+        self.shared_prefix: tuple[int, int] = (1, 0)
         self._decode = self._forward
         self._decode_and_draw = self._step
         if compile:
             self._decode = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
             self._decode_and_draw = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
 
-    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 cache: Any) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
+                 shared: tuple[int, int] = (1, 0)) -> torch.Tensor:
+        extra = {SHARED_PREFIX: shared} if shared[0] > 1 else {}
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1, :]
 
     def draws_in_graph(self, top_p: float) -> bool:
         """Whether `generate` at this top_p draws inside the recorded step (`_step`) rather than between steps."""
         return self.sample_in_graph and top_p >= 1.0
 
-    def _step(self, mask: torch.Tensor, cache: Any, state: LoopState, temperature: float, pad_id: int) -> None:
+    def _step(self, mask: torch.Tensor, cache: Any, state: LoopState, temperature: float, pad_id: int,
+              shared: tuple[int, int]) -> None:
         """One decode step with its draw and bookkeeping, for one recorded graph: attend the token fed (its mask
         column), run the model, draw the next token at the step counter (`race`), pad it where the row is done,
         write it to the responses, and feed it to the next step. Everything it changes lives in `state`, `mask`
@@ -242,7 +251,7 @@ class GraphDecoder:
         from zbench.engine.race_sampling import race
 
         mask.index_fill_(1, state.column, 1)
-        logits = self._forward(state.token, state.position, mask, cache)
+        logits = self._forward(state.token, state.position, mask, cache, shared)
         state.step.add_(1)
         drawn = torch.where(state.done, pad_id, race(logits, state.seed, state.step, temperature))
         state.responses.index_copy_(1, state.step, drawn[:, None])
@@ -275,9 +284,11 @@ class GraphDecoder:
         return cache, mask, state
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 mask: torch.Tensor) -> torch.Tensor:
+                 mask: torch.Tensor, samples: int = 1) -> tuple[torch.Tensor, tuple[int, int]]:
         """Run the prompts through the model into `cache` (positions 0..width-1); returns each row's next-token
-        logits (B, V).
+        logits (B, V), and the runs of rows whose prompt columns the decode step may read once for all of them:
+        (`samples`, width) where every run of `samples` consecutive rows holds one prompt and it was computed once
+        for them, else (1, 0).
 
         Each distinct prompt runs once, and only from the first column some row attends: GRPO's `n` samples of a
         prompt arrive as `n` equal rows, and the replica pads every batch to one wide prompt width for its recorded
@@ -287,14 +298,14 @@ class GraphDecoder:
         Qwen3-0.6B shape, while it lasts) into their rows' slots of the static cache, at the columns they hold there.
         Where a layer's static cache is anything but transformers' plain `StaticLayer` (a sliding window keeps only
         the window; indexer keys, recurrent states), or a transformers too old to place a write by
-        `cumulative_length`, every row prefills at the full width."""
+        `cumulative_length`, every row prefills at the full width, and shares nothing."""
         from transformers.cache_utils import DynamicCache, StaticLayer
 
         width = input_ids.shape[1]
         layers = getattr(cache, "layers", [])
         if not layers or not all(type(layer) is StaticLayer and hasattr(layer, "cumulative_length") for layer in layers):
             return self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :], (1, 0)
         attended = attention_mask.bool().any(0)
         lead = int(attended.int().argmax()) if bool(attended.any()) else 0  # columns before it: padding in every row
         rows = torch.cat([input_ids[:, lead:], attention_mask[:, lead:].to(input_ids.dtype)], dim=1)
@@ -306,22 +317,31 @@ class GraphDecoder:
         for layer, held in zip(layers, scratch.layers, strict=True):
             layer.cumulative_length.fill_(lead)  # StaticLayer.update writes from here on, and counts on
             layer.update(held.keys[inverse], held.values[inverse])
-        return logits[inverse]
+        batch = input_ids.shape[0]
+        # one prompt a run of `samples` rows: then their prompt columns hold one computation's keys and values
+        runs = samples > 1 and batch % samples == 0 and bool((inverse.view(-1, samples) == inverse.view(-1, samples)[:, :1]).all())
+        return logits[inverse], ((samples, width) if runs else (1, 0))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  temperature: float, top_p: float, pad_id: int, eos_ids: list[int],
-                 generator: torch.Generator | None) -> torch.Tensor:
-        """Left-padded prompts (B, P) on the model's device -> (B, max_new_tokens) responses, `pad_id` after EOS."""
+                 generator: torch.Generator | None, samples: int = 1) -> torch.Tensor:
+        """Left-padded prompts (B, P) on the model's device -> (B, max_new_tokens) responses, `pad_id` after EOS.
+        `samples` > 1: the rows come as runs of that many samples of one prompt (GRPO's n), whose prompt part of the
+        cache the Triton attention then reads once a run (checked against the prompts: rows that differ share
+        nothing)."""
         batch, width = input_ids.shape
         device = input_ids.device
         cache, mask, state = self._cache(batch, width + max_new_tokens, max_new_tokens, eos_ids, device)
         mask[:, :width] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self._prefill(input_ids, attention_mask, positions, cache, mask)
+        logits, shared = self._prefill(input_ids, attention_mask, positions, cache, mask, samples)
+        if self.attention != "triton":  # SDPA reads every row's cache anyway
+            shared = (1, 0)
+        self.shared_prefix = shared
         if self.draws_in_graph(top_p):
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
-                                           pad_id=pad_id, seed=self._seed(generator))
+                                           pad_id=pad_id, seed=self._seed(generator), shared=shared)
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -336,7 +356,7 @@ class GraphDecoder:
             mask[:, width + t] = 1
             if self.compile:  # the previous step's logits are consumed: let the graph replay over them
                 torch.compiler.cudagraph_mark_step_begin()
-            logits = self._decode(tok[:, None], pos, mask, cache)
+            logits = self._decode(tok[:, None], pos, mask, cache, shared)
             pos = pos + 1
         return out
 
@@ -349,7 +369,7 @@ class GraphDecoder:
 
     def _generate_in_graph(self, logits: torch.Tensor, positions: torch.Tensor, width: int, mask: torch.Tensor,
                            cache: Any, state: LoopState, *, temperature: float, pad_id: int,
-                           seed: int) -> torch.Tensor:
+                           seed: int, shared: tuple[int, int]) -> torch.Tensor:
         """`generate`'s loop with each step's draw and bookkeeping inside the recorded step (`_step`): the host
         replays one graph a token and syncs only to check for all rows done, every `sync_every` tokens. The draws
         are the race of `race_sampling` at (seed, step, row, token), so a seed repeats its rollout."""
@@ -369,7 +389,7 @@ class GraphDecoder:
                 break
             if self.compile:
                 torch.compiler.cudagraph_mark_step_begin()
-            self._decode_and_draw(mask, cache, state, temperature, pad_id)
+            self._decode_and_draw(mask, cache, state, temperature, pad_id, shared)
         return state.responses.clone()
 
 
@@ -382,8 +402,9 @@ class HFRollout:
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
                  cuda_graph: bool = False, parked: bool = False, decode_attention: str = "auto",
-                 prompt_width: int | None = None):
+                 prompt_width: int | None = None, samples: int = 1):
         self.model = model.eval()
+        self.samples = samples  # rows come as runs of this many samples of one prompt (GRPO's n)
         self.pad_id, self.eos_ids = pad_id, eos_ids
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.static_cache = static_cache
@@ -423,6 +444,13 @@ class HFRollout:
             return None
         return "in-graph" if self.graph.draws_in_graph(self.top_p) else "eager"
 
+    @property
+    def shared_rows(self) -> int | None:
+        """How many rows read their prompt's keys and values once for all of them in the last rollout's decode steps
+        (`GraphDecoder.generate`'s `samples`, where the prompts and the attention allow it), 1 where each row read
+        its own; None without the graph loop."""
+        return self.graph.shared_prefix[0] if self.graph is not None else None
+
     def to(self, device: torch.device | str) -> None:
         """Move the replica (used to free accelerator memory while training under offload)."""
         if self.graph is not None and torch.device(device).type == "cpu":
@@ -449,7 +477,7 @@ class HFRollout:
             responses = self.graph.generate(
                 input_ids.to(self.device), attention_mask.to(self.device), max_new_tokens=self.max_new_tokens,
                 temperature=self.temperature, top_p=self.top_p, pad_id=self.pad_id, eos_ids=self.eos_ids,
-                generator=generator).cpu()
+                generator=generator, samples=self.samples).cpu()
             return {"responses": responses, "response_mask": response_mask_from(responses, self.eos_ids,
                                                                                 self.pad_id)}
         torch.manual_seed(seed)

@@ -5,7 +5,8 @@ where the update's own forward gives them exactly) -> reference log-probs (ref) 
 (adv) -> critic update (PPO) -> actor update -> weights into the rollout replica (update_weights). Every phase
 is timed as `timing_s/<phase>`; within gen, `perf/rollout_engine_s` is the slowest rank's time inside the rollout
 engine's own generate call and `perf/rollout_sleep_s` (vLLM) its sleep after it, so the rest of `timing_s/gen` is
-the trainer's and Ray's. With `trainer.critic_update` concurrent, the critic's update runs beside the
+the trainer's and Ray's; `perf/rollout_shared_rows` (the graph loop) how many rows read each prompt's keys once in
+its decode steps (1: every row its own). With `trainer.critic_update` concurrent, the critic's update runs beside the
 actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
 `timing_s/critic_wait` what of it was left when the weights were in. With `overlap`, it runs behind the next
 step's rollout (generation, reward, the actor's and the reference's passes), which never reads the critic, and the
@@ -292,6 +293,8 @@ class Trainer:
         for part in ("engine", "sleep"):  # the slowest rank's seconds inside the rollout engine and its sleep
             if f"rollout_{part}_s" in gen:
                 metrics[f"perf/rollout_{part}_s"] = float(gen.pop(f"rollout_{part}_s").max())
+        if "rollout_shared_rows" in gen:  # the graph loop's runs of rows that read their prompt's keys once, least
+            metrics["perf/rollout_shared_rows"] = float(gen.pop("rollout_shared_rows").min())
         responses, r_mask = gen["responses"], gen["response_mask"]
         batch = sequence_batch(p_ids, p_mask, responses, r_mask)
         if "rollout_log_probs" in gen:

@@ -578,7 +578,8 @@ class PolicyWorker(_Worker):
         return HFRollout(replica, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
-                         decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length)
+                         decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length,
+                         samples=r.n)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:
@@ -591,6 +592,8 @@ class PolicyWorker(_Worker):
         # where the phase's time went on this rank: one row per rank, the trainer reports the slowest
         for part, seconds in self.rollout.seconds.items():
             out[f"rollout_{part}_s"] = torch.tensor([seconds])
+        if getattr(self.rollout, "shared_rows", None) is not None:  # the graph loop's
+            out["rollout_shared_rows"] = torch.tensor([self.rollout.shared_rows])
         self.sample_device_memory("gen", getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
             self.rollout.to("cpu")
