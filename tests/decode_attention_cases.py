@@ -99,11 +99,13 @@ def test_kernels_equal_sdpa(batch, kv_heads, group, dim, length):
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5), got)
 
 
-def test_slices_kept_only_at_their_edges_or_not_at_all():
+def test_slices_kept_only_at_their_edges_or_not_at_all(monkeypatch):
     """Each program loops only between its slice's first and last kept positions: masks whose kept runs start or
     end on a slice's first or last position, one that keeps a single position, and whole slices kept nowhere
-    between kept ones (length 1100 cuts into 8 slices of 192)."""
+    between kept ones (length 1100 cuts into 8 slices of 192 at 4 blocks a slice)."""
+    monkeypatch.setattr(da, "CHUNK_BLOCKS", 4)
     length = 1100
+    assert da.slices(length) == (8, 192)
     g = torch.Generator().manual_seed(11)
     q = torch.randn(5, 1, 2, 16, generator=g)
     k, v = (torch.randn(5, 1, length, 16, generator=g) for _ in range(2))
