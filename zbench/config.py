@@ -654,9 +654,10 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
     and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
     and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). Elsewhere vLLM: alone (GRPO, no
-    critic) the loop's 32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows the loop now takes
-    2.01 s alone on an H200 against vLLM's 1.96-2.14 s on the fastest host measured, and its held cache would be
-    15 GB, over GRPO's memory budget."""
+    critic) the loop's 32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows the loop, which
+    reads each prompt's keys once for its samples, takes 1.84 s alone on an H200 (2.01 s before that,
+    results/reference/h200-shared-prefix-20261128) against vLLM's 1.96-2.14 s on the fastest host measured, but its
+    held cache would be 15 GB, over GRPO's memory budget."""
     r = cfg.rollout
     return (cfg.needs_critic and cfg.batch_plan().sequences_per_rank <= GRAPH_LOOP_ROWS and r.cuda_graph
             and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs and not r.enforce_eager)

@@ -196,10 +196,13 @@ class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
     the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The
-    prefill runs eagerly, each distinct prompt once (`_prefill`). Compiled, with top_p 1, the recorded step also
-    draws the next token and keeps the books (`_step`, `race_sampling`), so a token costs the host one graph replay;
-    otherwise sampling runs between replays on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every `sync_every` tokens. With `compile=False`
-    (CPU) the same loop runs eagerly, which is how it is tested against `generate`.
+    prefill runs eagerly, each distinct prompt once (`_prefill`); where the rows come as runs of `samples` rows of one
+    prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
+    per run length too). Compiled, with top_p 1, the recorded step also draws the next token and keeps the books
+    (`_step`, `race_sampling`), so a token costs the host one graph replay; otherwise sampling runs between replays
+    on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
+    `sync_every` tokens. With `compile=False` (CPU) the same loop runs eagerly, which is how it is tested against
+    `generate`.
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
     prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple
