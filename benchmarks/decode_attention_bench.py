@@ -75,6 +75,7 @@ def main() -> None:
 
     length = args.width + args.new_tokens
     group = args.heads // args.kv_heads
+    scale = args.dim ** -0.5
     for batch in args.batch:
         g = torch.Generator("cuda").manual_seed(0)
         q = torch.randn(batch, args.kv_heads, group, args.dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -83,16 +84,23 @@ def main() -> None:
         mask = torch.zeros(batch, length, dtype=torch.bool, device="cuda")
         mask[:, : args.width + args.filled] = True
         mask[: batch // 2, : args.pad] = False
-        for share in args.share:  # one prompt a run, for every share asked (a row's prompt part = its run's first)
-            if batch % share == 0:
-                for part in (k, v):
+
+        @functools.cache
+        def runs_of(share: int, k: torch.Tensor = k, v: torch.Tensor = v, mask: torch.Tensor = mask,
+                    q: torch.Tensor = q) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+            """The cache and mask with rows in runs of `share` equal over the prompt's columns (each run's first
+            row's), as GRPO's samples of one prompt hold them (as they are for 1), and SDPA's float32 result on them."""
+            if share > 1:
+                k, v, mask = k.clone(), v.clone(), mask.clone()
+                for part in (k, v, mask[:, None, :, None]):
                     part[:, :, : args.width] = part[::share, :, : args.width].repeat_interleave(share, 0)
-        mask4 = mask[:, None, None, :]
-        scale = args.dim ** -0.5
-        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask4, scale=scale)
+            exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None, None, :],
+                                                   scale=scale)
+            return (k, v, mask), exact
+
         base = {"batch": batch, "length": length, "attended": mask.float().mean().item(), "layers": args.layers}
-        sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask4, scale=scale),
-                             args.layers, args.repeats)
+        sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask[:, None, None, :],
+                                               scale=scale), args.layers, args.repeats)
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
         for block, chunk, warps, stages, trim, share in itertools.product(
                 args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share):
@@ -101,7 +109,8 @@ def main() -> None:
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
                               "stages": stages, "trim": trim, "share": share, "splits": da.slices(length)[0]}
-            call = functools.partial(da.decode_attention, q, k, v, mask, scale, share, args.width if share > 1 else 0)
+            cache, reference = runs_of(share)
+            call = functools.partial(da.decode_attention, q, *cache, scale, share, args.width if share > 1 else 0)
             try:  # a geometry can exceed the GPU's shared memory: say so and go on with the sweep
                 error = (call().float() - reference).abs().max().item()
                 us = graph_time(call, args.layers, args.repeats)

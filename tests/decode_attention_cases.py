@@ -143,12 +143,19 @@ def test_slices_longer_than_one_scan(monkeypatch, trim):
     assert torch.equal(da.decode_attention(q, k2, v2, mask, 0.25), got)
 
 
-@pytest.mark.parametrize(("share", "group", "prefix"), [(4, 2, 120), (2, 3, 64), (8, 1, 300), (4, 2, 0)])
-def test_a_shared_prefix_is_read_once_a_run(share, group, prefix):
+@pytest.mark.parametrize(("share", "group", "prefix", "length", "trim"), [
+    (4, 2, 120, 300, True), (2, 3, 64, 300, True), (8, 1, 300, 300, True), (4, 2, 0, 300, True),
+    (5, 3, 130, 300, True),  # a run of 5 rows of 3 heads: a 32-row tile, partly filled
+    (8, 4, 65, 300, False),  # a full 32-row tile, each program looping over its whole slice
+    (16, 4, 100, 300, True),  # 16 rows of 4 heads outgrow a tile: read in sub-runs of 8
+    (4, 2, 600, 1100, True),  # 2 + 1 slices: the combine's tile of 4 has one never written
+])
+def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, length, trim):
     """Runs of `share` rows with equal keys, values and mask over the first `prefix` positions (GRPO's samples of
     a prompt): the result equals SDPA's, and it reads that part from each run's first row only (garbage in the
     other rows' prefix changes nothing), while past the prefix every row still reads its own."""
-    batch, length, dim = 8, 300, 32
+    monkeypatch.setattr(da, "TRIM", trim)
+    batch, dim = 2 * share, 32
     g = torch.Generator().manual_seed(share * 100 + prefix)
     q = torch.randn(batch, 2, group, dim, generator=g)
     k, v = (torch.randn(batch, 2, length, dim, generator=g) for _ in range(2))
@@ -161,11 +168,18 @@ def test_a_shared_prefix_is_read_once_a_run(share, group, prefix):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=dim ** -0.5)
     got = da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-    others = (torch.arange(batch) % share != 0)[:, None, None, None] & (torch.arange(length) < prefix)[:, None]
+    sub = da.tile_share(share, da.triton.next_power_of_2(group))  # the rows a program reads for
+    others = (torch.arange(batch) % sub != 0)[:, None, None, None] & (torch.arange(length) < prefix)[:, None]
     k2, v2 = k.masked_fill(others, float("nan")), v.masked_fill(others, 1e30)
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5, share, prefix), got)
     if prefix:  # without the promise, every row reads its own prefix: the garbage shows
         assert da.decode_attention(q, k2, v2, mask, dim ** -0.5).isnan().any()
+
+
+def test_a_run_is_cut_into_sub_runs_that_fit_a_tile():
+    assert da.tile_share(4, 2) == 4 and da.tile_share(16, 2) == 16 and da.tile_share(16, 4) == 8
+    assert da.tile_share(12, 4) == 6 and da.tile_share(7, 8) == 1 and da.tile_share(3, 64) == 1
+    assert da.slices(600, 8) == (2, 320) and da.slices(20_000, 8) == (8, 2560)  # a range's share of the slices
 
 
 def test_a_shared_prefix_needs_whole_runs():
@@ -173,7 +187,7 @@ def test_a_shared_prefix_needs_whole_runs():
     mask = torch.ones(6, 40, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"share=4, prefix=10 for 6 rows .* whole runs of `share`"):
         da.decode_attention(q, k, k, mask, 0.25, 4, 10)
-    with pytest.raises(ValueError, match=r"0 <= prefix <= 40"):
+    with pytest.raises(ValueError, match=r"and 0 <= prefix <= 40"):
         da.decode_attention(q, k, k, mask, 0.25, 2, 41)
 
 
@@ -268,7 +282,9 @@ def test_graph_decoder_tokens_equal_the_sdpa_path(tiny, op_calls):  # noqa: F811
 def test_graph_decoder_reads_each_prompt_once_for_its_samples(tiny, op_calls):  # noqa: F811
     """GRPO's rows: 3 prompts x 3 samples, as consecutive runs. The Triton loop told `samples=3` reads each prompt's
     part of the cache once a run (`shared_prefix`) and decodes what SDPA decodes; rows that are not runs of one
-    prompt share nothing."""
+    prompt share nothing. Greedy, a run's rows stay equal, so the tokens alone would not show a shared read that
+    reached past the prompt: what every kernel call was given does (the kernel cases above check the shared read
+    where rows differ past the prefix)."""
     model, pad_id, eos_ids, input_ids, mask = tiny
     kwargs = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
               "generator": None}

@@ -656,7 +656,7 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). Elsewhere vLLM: alone (GRPO, no
     critic) the loop's 32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows the loop, which
     reads each prompt's keys once for its samples, takes 1.84 s alone on an H200 (2.01 s before that,
-    results/reference/h200-shared-prefix-20261128) against vLLM's 1.96-2.14 s on the fastest host measured, but its
+    results/reference/shared-prefix-20261128) against vLLM's 1.96-2.14 s on the fastest host measured, but its
     held cache would be 15 GB, over GRPO's memory budget."""
     r = cfg.rollout
     return (cfg.needs_critic and cfg.batch_plan().sequences_per_rank <= GRAPH_LOOP_ROWS and r.cuda_graph

@@ -6,9 +6,9 @@ an H100 (results/reference/h100-gpu-share-20261127), where the positions a row a
 width. These two Triton kernels read a key or value only where the row's mask is set (a masked-off load moves no
 data), so left padding and the cache's unwritten tail cost nothing but the mask bytes.
 
-Split-K ("flash decoding"): `_partial` runs one program per (row, key/value head, split) over a slice of the cache,
-with the query heads that share the key/value head as the rows of its tile (grouped-query attention reads each key
-once). It first reads its slice's mask bytes for the first and last kept positions and loops only over the blocks
+Split-K ("flash decoding"): `_partial` runs one program per (row, key/value head, split) over a slice of the cache
+(per run of rows over a shared prefix, below), with the query heads that share the key/value head as the rows of its
+tile (grouped-query attention reads each key once). It first reads its slice's mask bytes for the first and last kept positions and loops only over the blocks
 between them, so a slice of padding or unwritten cache costs one mask load, not an iteration per block (`TRIM`;
 it takes 18 % off the kernel's time at 32 and 128 rows on an H200,
 results/reference/h200x2-merged-projections-20261127).
@@ -19,7 +19,8 @@ decode step's CUDA graph like any kernel; `torch.compile` sees them as one opaqu
 A shared prefix: GRPO samples each prompt n times, and the n rows of a prompt hold the same keys and values over the
 prompt's columns (`GraphDecoder._prefill` writes one computation into all of them). With `share=n, prefix=width`
 the prompt's columns are read by one program per run of n rows, whose tile holds the queries of all n rows, and
-only the columns past the prompt by one program a row; the combine merges both kinds of slice. At 128 rows of 32
+only the columns past the prompt by one program a row; the combine merges both kinds of slice. A run whose queries
+would not fit one tile (`MAX_SHARED_QUERIES`) is read in sub-runs that do. At 128 rows of 32
 prompts x 4, whose prompts average 175 tokens against 256 of response on average, that reads about 30 % fewer bytes.
 
 Triton ships with PyTorch's CUDA builds; without it (a CPU-only install) `available()` is False and the caller keeps
@@ -41,13 +42,15 @@ except ImportError:  # a CPU-only install: the caller keeps SDPA
 
 BLOCK_N = 64  # cache positions per loop iteration
 # loop iterations per program, at most: the cache splits into slices of this many blocks. 8 against 4: 8-9 % less
-# time at 32 and 128 rows, and 7 % with a shared prefix, on an H200 (results/reference/h200-shared-prefix-20261128)
+# time at 32 and 128 rows, and 7 % with a shared prefix, on an H200 (results/reference/shared-prefix-20261128)
 CHUNK_BLOCKS = 8
 MAX_SPLITS = 16
 NUM_WARPS = 4
 STAGES = 3  # software pipelining of the cache loads
 TRIM = True  # each program first finds its slice's first and last kept positions and loops only between them
-MAX_SHARED_QUERIES = 128  # rows of a shared-prefix program's tile: the queries of a run of rows, each query head
+# rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
+# power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
+MAX_SHARED_QUERIES = 32
 
 
 def available(device: torch.device) -> bool:
@@ -89,12 +92,13 @@ def unsupported(config: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
-def slices(length: int) -> tuple[int, int]:
-    """How `_partial` cuts a cache of `length` positions: (slices per (row, head), positions per slice). The slice
-    count is a power of 2 (the combine loads them as one tile), enough for `CHUNK_BLOCKS` blocks a slice and
-    `MAX_SPLITS` at most: many small programs keep many loads in flight, which a memory-bound kernel needs. Each
-    slice is whole blocks; trailing slices past the cache are empty and weigh nothing in the combine."""
-    splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(length, CHUNK_BLOCKS * BLOCK_N)))
+def slices(length: int, most: int = 0) -> tuple[int, int]:
+    """How `_partial` cuts `length` cache positions: (slices per (row, head), positions per slice). The slice
+    count is a power of 2, enough for `CHUNK_BLOCKS` blocks a slice and `most` (default `MAX_SPLITS`) at most: many
+    small programs keep many loads in flight, which a memory-bound kernel needs, and the combine loads every slice
+    of a (row, head) as one tile. Each slice is whole blocks; trailing slices past the end are empty and weigh
+    nothing in the combine."""
+    splits = min(most or MAX_SPLITS, triton.next_power_of_2(triton.cdiv(length, CHUNK_BLOCKS * BLOCK_N)))
     return splits, triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
 
 
@@ -117,14 +121,16 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     batch, heads, group, dim = query.shape
     length = key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    group_p2 = triton.next_power_of_2(group)
+    share = tile_share(share, group_p2)
     if share == 1:
         prefix = 0
-    # (first position, end, rows a program reads them for) of each range, and how it cuts into slices
+    # (first position, end, rows a program reads them for) of each range, and how it cuts into slices: both ranges
+    # together in MAX_SPLITS slices at most, as one range alone
     ranges = [(begin, stop, rows) for begin, stop, rows in ((0, prefix, share), (prefix, length, 1)) if stop > begin]
-    cuts = [slices(stop - begin) for begin, stop, _ in ranges]
+    cuts = [slices(stop - begin, MAX_SPLITS // len(ranges)) for begin, stop, _ in ranges]
     used = sum(splits for splits, _ in cuts)
     splits_p2 = triton.next_power_of_2(used)
-    group_p2 = triton.next_power_of_2(group)
     stats = (batch, heads, splits_p2, group_p2)
     acc = torch.empty(*stats, dim, dtype=torch.float32, device=query.device)
     run_max = torch.empty(stats, dtype=torch.float32, device=query.device)
@@ -147,6 +153,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
+def tile_share(share: int, group_p2: int) -> int:
+    """The rows a shared-prefix program reads for: the largest divisor of `share` whose queries (rows x `group_p2`)
+    fit a tile of `MAX_SHARED_QUERIES` rows. Any run of consecutive rows within a run of `share` holds its prefix."""
+    return max(d for d in range(1, share + 1) if share % d == 0 and d * group_p2 <= max(MAX_SHARED_QUERIES, group_p2))
+
+
 @decode_attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
       share: int = 1, prefix: int = 0) -> Any:
@@ -167,7 +179,6 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     if mask.dtype != torch.bool or mask.shape != (batch, length):
         raise ValueError(f"decode_attention: the mask must be bool of shape {(batch, length)} (True: attend); got "
                          f"{mask.dtype} {tuple(mask.shape)}")
-    if share < 1 or batch % share or not 0 <= prefix <= length or share * query.shape[2] > MAX_SHARED_QUERIES:
-        raise ValueError(f"decode_attention: share={share}, prefix={prefix} for {batch} rows of {length} positions "
-                         f"with {query.shape[2]} query heads a key/value head: needs rows in whole runs of `share`, "
-                         f"0 <= prefix <= {length}, and share x query heads at most {MAX_SHARED_QUERIES}")
+    if share < 1 or batch % share or not 0 <= prefix <= length:
+        raise ValueError(f"decode_attention: share={share}, prefix={prefix} for {batch} rows of {length} positions: "
+                         f"needs rows in whole runs of `share` and 0 <= prefix <= {length}")

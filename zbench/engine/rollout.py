@@ -322,7 +322,10 @@ class GraphDecoder:
             layer.update(held.keys[inverse], held.values[inverse])
         batch = input_ids.shape[0]
         # one prompt a run of `samples` rows: then their prompt columns hold one computation's keys and values
-        runs = samples > 1 and batch % samples == 0 and bool((inverse.view(-1, samples) == inverse.view(-1, samples)[:, :1]).all())
+        runs = samples > 1 and batch % samples == 0
+        if runs:
+            per_run = inverse.view(-1, samples)
+            runs = bool((per_run == per_run[:, :1]).all())
         return logits[inverse], ((samples, width) if runs else (1, 0))
 
     @torch.no_grad()

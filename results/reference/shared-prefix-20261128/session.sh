@@ -3,7 +3,7 @@
 # for its 4 samples against once a row, and the tree before the change (c3b30fe, in $BASE, default .base:
 # `git archive c3b30fe zbench benchmarks | tar -x -C .base`); then the attention kernels alone at the same geometry.
 # From the project root, GSM8K in data/gsm8k (`zbench data gsm8k`):
-#   bash results/reference/h200-shared-prefix-20261128/session.sh   -> $OUT/*.jsonl, *.err, gpu.txt
+#   bash results/reference/shared-prefix-20261128/session.sh   -> $OUT/*.jsonl, *.err, gpu.txt
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 base=$(realpath "${BASE:-.base}"); here=$PWD

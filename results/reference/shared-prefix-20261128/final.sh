@@ -2,7 +2,7 @@
 # The graph loop as it now stands (shared prompt reads, 8 blocks a slice) against the tree of c3b30fe (in $BASE,
 # default .base), back to back on one GPU: PPO's 32 rows (32 prompts x 1) and GRPO's 128 (32 x 4), prompts padded to
 # 512 as the replica pads them. From the project root, GSM8K in data/gsm8k:
-#   bash results/reference/h200-shared-prefix-20261128/final.sh   -> $OUT/f32.jsonl, f128.jsonl, *.err
+#   bash results/reference/shared-prefix-20261128/final.sh   -> $OUT/f32.jsonl, f128.jsonl, *.err
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 base=$(realpath "${BASE:-.base}"); here=$PWD

@@ -4,7 +4,7 @@
 # marked gpu of the decode loop. `--loads` was a kernel flag and bench option of the tree this ran (keys and values
 # loaded by the mask or by the range); the range lost everywhere and both were removed after it (NOTES.md, §2).
 # From the project root:
-#   bash results/reference/h200-shared-prefix-20261128/sweep.sh   -> $OUT/sweep.jsonl, gpu-tests.txt
+#   bash results/reference/shared-prefix-20261128/sweep.sh   -> $OUT/sweep.jsonl, gpu-tests.txt
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"; here=$PWD
 export HF_HUB_OFFLINE=1
