@@ -128,3 +128,5 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
         assert "timing_s/old_log_prob" not in rec
         assert rec["actor/ppo_kl"] == 0 and rec["actor/pg_clipfrac"] == 0
         assert rec["actor/grad_norm"] > 0 and "timing_s/update_actor" in rec
+        # the loop was told the rows come as runs of 4 samples; SDPA reads every row's cache, so none shared it
+        assert rec["perf/rollout_shared_rows"] == 1
