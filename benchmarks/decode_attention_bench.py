@@ -108,7 +108,9 @@ def main() -> None:
                 continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
-                              "stages": stages, "trim": trim, "share": share, "splits": da.slices(length)[0]}
+                              "stages": stages, "trim": trim, "share": share,
+                              "splits": sum(cut[3] for cut in da.plan(length, da.triton.next_power_of_2(group), share,
+                                                                       args.width if share > 1 else 0))}
             cache, reference = runs_of(share)
             call = functools.partial(da.decode_attention, q, *cache, scale, share, args.width if share > 1 else 0)
             try:  # a geometry can exceed the GPU's shared memory: say so and go on with the sweep

@@ -180,6 +180,10 @@ def test_a_run_is_cut_into_sub_runs_that_fit_a_tile():
     assert da.tile_share(4, 2) == 4 and da.tile_share(16, 2) == 16 and da.tile_share(16, 4) == 8
     assert da.tile_share(12, 4) == 6 and da.tile_share(7, 8) == 1 and da.tile_share(3, 64) == 1
     assert da.slices(600, 8) == (2, 320) and da.slices(20_000, 8) == (8, 2560)  # a range's share of the slices
+    # the launches of a call: the prefix's runs, then every row on its own; runs of 1 (or past a tile) share nothing
+    assert da.plan(1100, 2, 4, 600) == [(0, 600, 4, 2, 320), (600, 1100, 1, 1, 512)]
+    assert da.plan(1100, 2, 1, 600) == da.plan(1100, 2) == [(0, 1100, 1, 4, 320)]
+    assert da.plan(300, 64, 3, 100) == [(0, 300, 1, 1, 320)]
 
 
 def test_a_shared_prefix_needs_whole_runs():

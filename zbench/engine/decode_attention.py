@@ -122,14 +122,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     length = key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     group_p2 = triton.next_power_of_2(group)
-    share = tile_share(share, group_p2)
-    if share == 1:
-        prefix = 0
-    # (first position, end, rows a program reads them for) of each range, and how it cuts into slices: both ranges
-    # together in MAX_SPLITS slices at most, as one range alone
-    ranges = [(begin, stop, rows) for begin, stop, rows in ((0, prefix, share), (prefix, length, 1)) if stop > begin]
-    cuts = [slices(stop - begin, MAX_SPLITS // len(ranges)) for begin, stop, _ in ranges]
-    used = sum(splits for splits, _ in cuts)
+    ranges = plan(length, group_p2, share, prefix)
+    used = sum(splits for *_, splits, _ in ranges)
     splits_p2 = triton.next_power_of_2(used)
     stats = (batch, heads, splits_p2, group_p2)
     acc = torch.empty(*stats, dim, dtype=torch.float32, device=query.device)
@@ -138,7 +132,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
     first_split = 0
-    for (begin, stop, rows), (splits, chunk) in zip(ranges, cuts, strict=True):
+    for begin, stop, rows, splits, chunk in ranges:
         _partial[(batch // rows, heads, splits)](
             query, key, value, mask, acc, run_max, run_sum,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
@@ -151,6 +145,16 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
                              GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads)
     return out
+
+
+def plan(length: int, group_p2: int, share: int = 1, prefix: int = 0) -> list[tuple[int, int, int, int, int]]:
+    """The `_partial` launches of one call: (first position, end, rows a program reads for, slices, positions per
+    slice) of each range, the shared prefix (if any) first. Both ranges together keep to MAX_SPLITS slices, as one
+    range alone does."""
+    share = tile_share(share, group_p2)
+    prefix = prefix if share > 1 else 0
+    spans = [(begin, stop, rows) for begin, stop, rows in ((0, prefix, share), (prefix, length, 1)) if stop > begin]
+    return [(begin, stop, rows, *slices(stop - begin, MAX_SPLITS // len(spans))) for begin, stop, rows in spans]
 
 
 def tile_share(share: int, group_p2: int) -> int:
