@@ -227,9 +227,13 @@ def test_graph_loop_kv_cache_is_held_through_training():
         [(_, cfg, cuda)] = target_cases("six-case", True, tuple(parse_set(s) for s in (*sets, *more)), (name,))
         return cfg, geometry_memory(cfg, cuda, 141 * 2**30)
 
-    loop_cfg, loop = case("zero1_no_offload")
+    released_cfg, released = case("zero1_no_offload")  # given back after each rollout, as vLLM's
+    cache = 32 * (512 + 512) * 2 * 28 * 8 * 128 * 2
+    assert released_cfg.rollout.release_kv_cache and released.kv_cache == cache and released.held_kv == 0
+    assert released.peak_bytes == released.states + released.critic + max(released.training, released.forward, cache)
+    loop_cfg, loop = case("zero1_no_offload", "rollout.release_kv_cache=false")
     assert loop_cfg.rollout.backend == "hf" and loop_cfg.rollout.cuda_graph
-    assert loop.held_kv == 32 * (512 + 512) * 2 * 28 * 8 * 128 * 2 and loop.kv_cache == 0
+    assert loop.held_kv == cache and loop.kv_cache == 0
     assert loop.peak_bytes == loop.states + loop.critic + loop.held_kv + max(loop.training, loop.forward)
     vllm = case("zero1_no_offload", "rollout.backend=vllm")[1]
     assert vllm.held_kv == 0 and vllm.kv_cache > 0 and vllm.kv_cache < max(vllm.training, vllm.forward)
@@ -237,12 +241,13 @@ def test_graph_loop_kv_cache_is_held_through_training():
     assert case("zero1_cpu_offload")[1].held_kv == 0  # parked: the loop runs eagerly, its cache dropped each time
     assert case("zero1_no_offload", "rollout.cuda_graph=false")[1].held_kv == 0
     # auto: the loop where it takes it (PPO's 32 rows a rank at ZeRO-1), vLLM's released cache at ZeRO-3
-    assert case("zero1_no_offload", "rollout.backend=auto")[1] == loop
+    assert case("zero1_no_offload", "rollout.backend=auto", "rollout.release_kv_cache=false")[1] == loop
     auto_z3 = case("zero3_no_offload", "rollout.backend=auto")[1]
     assert auto_z3.held_kv == 0 and auto_z3.kv_cache == case("zero3_no_offload", "rollout.backend=vllm")[1].kv_cache
     assert geometry_memory(loop_cfg, False).held_kv == 0
     res = CliRunner().invoke(app, ["estimate", "six-case", "--device", "cuda", "--device-memory", "141",
-                                   "--cases", "zero1_no_offload", *[a for s in sets for a in ("--set", s)]])
+                                   "--cases", "zero1_no_offload", "--set", "rollout.release_kv_cache=false",
+                                   *[a for s in sets for a in ("--set", s)]])
     assert res.exit_code == 0, res.output
     row = res.output.splitlines()[1].split()
     assert float(row[11]) == pytest.approx(loop.held_kv / 2**30, abs=0.01)
@@ -261,13 +266,14 @@ def test_graph_loop_measured_peak_over_vllm_is_its_held_cache_and_replica():
 
     from zbench.analyze.activations import geometry_memory
     from zbench.analyze.memory import estimate_case
-    from zbench.config import load_case_config
+    from zbench.config import load_case_config, with_overrides
 
     [root] = ONE_WIDTH_RUN.glob("gpu-ppo_*")
     with open(root / "summary.tsv", newline="") as f:
         rows = {r["case"]: r for r in csv.DictReader(f, delimiter="\t")}
     for stage in ("zero1", "zero2"):
         graph_cfg, vllm_cfg = (load_case_config(root / f"{stage}_{b}" / "config.yaml") for b in ("graph", "vllm"))
+        graph_cfg = with_overrides(graph_cfg, {"rollout.release_kv_cache": False})  # ran before it was given back
         graph, vllm = geometry_memory(graph_cfg, True), geometry_memory(vllm_cfg, True)
         assert graph.peak_bytes - vllm.peak_bytes == graph.held_kv > 0
         measured = float(rows[f"{stage}_graph"]["device_memory_used_gb"]) - float(rows[f"{stage}_vllm"]["device_memory_used_gb"])

@@ -298,9 +298,11 @@ def test_gpu_hf_cases_take_the_graph_loop_where_it_has_run_fast(tmp_path: Path) 
 
 
 def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:
-    """`rollout.backend=auto` on a GPU takes the graph loop for PPO at up to 32 rows a rank, ZeRO-1/2, the replica on
-    the GPU, and nothing only vLLM does; vLLM elsewhere. Where vLLM runs it gets its fitted KV cache and no loop
-    setting, where the loop runs it gets the loop and no vLLM setting, and the memory model holds the loop's cache."""
+    """`rollout.backend=auto` on a GPU takes the graph loop for PPO at up to 32 rows a rank, and for GRPO at up to 128
+    where the loop gives its KV cache back between rollouts; at ZeRO-1/2, the replica on the GPU, and nothing only
+    vLLM does; vLLM elsewhere. Where vLLM runs it gets its fitted KV cache and no loop setting, where the loop runs it
+    gets the loop and no vLLM setting, and the memory model counts the loop's cache: released like vLLM's, or held
+    through training where asked."""
     from zbench.analyze.activations import geometry_memory
 
     ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
@@ -313,14 +315,20 @@ def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:
             taken = auto_takes_graph_loop(c.config)
             assert c.config.rollout.kv_cache_fit is not taken, c.name
             assert ("rollout.cuda_graph" in c.device_defaults) is taken or "rollout.cuda_graph" in c.overrides, c.name
-            assert (geometry_memory(c.config, True).held_kv > 0) is taken, c.name
+            assert (rollout_engine(c.config, True) == "hf-graph") is taken, c.name
+            memory = geometry_memory(c.config, True)
+            assert (memory.held_kv > 0) is (taken and not c.config.rollout.release_kv_cache), c.name
         return {c.name: auto_takes_graph_loop(c.config) for c in cases}
 
     # PPO: 32 rows a rank; ZeRO-3 and the offloaded cases were not measured with the loop
     assert loop("six-case") == {"zero1_no_offload": True, "zero2_no_offload": True, "zero3_no_offload": False,
                                 "zero1_cpu_offload": False, "zero2_cpu_offload": False, "zero3_cpu_offload": False}
-    assert not any(loop("grpo-six-case").values())  # no critic beside the rollout: vLLM, whatever the rows
-    assert not any(loop("grpo-six-case", ("trainer.train_batch_size", 16), ("actor.ppo_mini_batch_size", 16)).values())
+    grpo = {"zero1_no_offload": True, "zero2_no_offload": True, "zero3_no_offload": False,
+            "zero1_cpu_offload": False, "zero2_cpu_offload": False, "zero3_cpu_offload": False}
+    assert loop("grpo-six-case") == grpo  # 64 prompts x 4 over 2 ranks: 128 rows a rank, the cache given back
+    assert not any(loop("grpo-six-case", ("rollout.release_kv_cache", False)).values())  # held: vLLM
+    assert not any(loop("grpo-six-case", ("trainer.world_size", 1)).values())  # 256 rows on the one rank
+    assert loop("six-case", ("rollout.release_kv_cache", False)) == loop("six-case")  # PPO's 32 rows either way
     for named in (("rollout.cuda_graph", False), ("rollout.log_probs", True), ("rollout.enforce_eager", True)):
         assert not any(loop("six-case", named).values()), named
     # the loop's attention named beside auto: SDPA's loop was not measured faster, so auto would run vLLM, and the

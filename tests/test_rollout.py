@@ -305,6 +305,56 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
     assert shared.shared_prefix == (4, ids.shape[1])
 
 
+def test_the_eager_loop_drops_its_cache_after_each_rollout_and_samples_as_one_that_holds_it(tiny):
+    """Run eagerly (a CPU), a loop that releases its cache drops it after each rollout and allocates it again: its
+    rollouts are those of a loop that holds its cache, seed for seed."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    common = {"pad_id": pad_id, "eos_ids": eos_ids, "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0,
+              "static_cache": False, "device": torch.device("cpu"), "cuda_graph": True}
+    held = HFRollout(copy.deepcopy(model), **common)
+    released = HFRollout(copy.deepcopy(model), release_kv_cache=True, **common)
+    assert (held.kv_cache, released.kv_cache) == ("held", "dropped")
+    for seed in (1, 2, 1):
+        a, b = held.generate(input_ids, mask, seed), released.generate(input_ids, mask, seed)
+        assert torch.equal(a["responses"], b["responses"])
+        assert released.graph._cache_slot is None and held.graph._cache_slot is not None
+        assert "sleep" in released.seconds and "sleep" not in held.seconds
+        assert released.awake_used_gb == 0.0  # no GPU to sample
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and its memory need CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attention):
+    """Compiled on CUDA, a loop that releases its cache unmaps it after each rollout (the device's free memory rises
+    by the cache's size) and maps it again at the same addresses, which the recorded step replays over; it samples
+    what a loop holding its cache samples, seed for seed, with GRPO's runs of samples too."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    kwargs = {"max_new_tokens": 20, "temperature": 1.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "samples": 4}
+    held = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention)
+    released = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, release_cache=True)
+    assert released.cache_at_fixed_addresses and released.release_cache and not held.cache_at_fixed_addresses
+    device = ids.device
+    addresses = None
+    for seed in (7, 8, 7):
+        expected, got = (d.generate(ids, mask, generator=torch.Generator(device).manual_seed(seed), **kwargs)
+                         for d in (held, released))
+        assert torch.equal(got, expected), seed
+        layers = released._cache_slot[1].layers
+        now = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in layers]
+        assert addresses in (None, now)  # the same addresses each rollout
+        addresses = now
+        memory = released._cache_memory
+        assert memory.held
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.mem_get_info(device)[0]
+        released.free_cache()
+        assert not memory.held and torch.cuda.mem_get_info(device)[0] - before >= memory.nbytes
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compiled kernels need CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

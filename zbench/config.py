@@ -142,6 +142,11 @@ class RolloutConfig:
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
     # static cache), auto (triton on a CUDA device where the kernels compute the model's attention, else sdpa)
     decode_attention: str = "auto"
+    # cuda_graph: give the KV cache's GPU memory back after each rollout, for training to use, and take it again
+    # before the next (on CUDA its pages are unmapped and mapped again at the addresses the recorded step replays
+    # over: zbench.engine.device_memory; elsewhere the cache is freed and allocated again); false holds it through
+    # training
+    release_kv_cache: bool = True
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
@@ -614,8 +619,10 @@ def replica_parks(cfg: RunConfig) -> bool:
     return effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer != "none"
 
 
-# the most rows one rank samples at once where `rollout.backend=auto` takes the graph loop on a GPU
+# the most rows one rank samples at once where `rollout.backend=auto` takes the graph loop on a GPU: PPO's, whose
+# critic updates beside the rollout, and a case's without a critic (GRPO's) where the loop gives its KV cache back
 GRAPH_LOOP_ROWS = 32
+GRAPH_LOOP_RELEASED_ROWS = 128
 
 
 @functools.lru_cache(maxsize=32)
@@ -659,8 +666,10 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     results/reference/shared-prefix-20261128) against vLLM's 1.96-2.14 s on the fastest host measured, but its
     held cache would be 15 GB, over GRPO's memory budget."""
     r = cfg.rollout
-    return (cfg.needs_critic and cfg.batch_plan().sequences_per_rank <= GRAPH_LOOP_ROWS and r.cuda_graph
-            and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs and not r.enforce_eager)
+    rows = cfg.batch_plan().sequences_per_rank
+    sized = (rows <= GRAPH_LOOP_ROWS if cfg.needs_critic else r.release_kv_cache and rows <= GRAPH_LOOP_RELEASED_ROWS)
+    return (sized and r.cuda_graph and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs
+            and not r.enforce_eager)
 
 
 def rollout_engine(cfg: RunConfig, on_cuda: bool) -> str:

@@ -12,8 +12,8 @@ The terms are upper bounds at full length (every sequence `data.max_prompt_lengt
 - vLLM's KV cache: fitted to one rollout (`rollout.kv_cache_fit`, as `zbench.engine.vllm_rollout` sizes it), or the
   share `rollout.gpu_memory_utilization` of the device;
 - the hf backend's CUDA-graph decode loop (`rollout.cuda_graph`, a replica that stays on the GPU): its static KV
-  cache, every row of a rank at the widest prompt plus `rollout.max_new_tokens`, which its recorded graph holds
-  through training.
+  cache, every row of a rank at the widest prompt plus `rollout.max_new_tokens`, given back after each rollout as
+  vLLM's is (`rollout.release_kv_cache`), or else held through training.
 
 What no formula holds (the CUDA context, allocator slack, the runtime's own buffers, a CPU process's interpreter
 and libraries) is measured once per case by the tuner and added as an offset (`zbench.harness.tune`).
@@ -40,7 +40,7 @@ class GeometryMemory:
     states: int  # ZeRO model states, reference and rollout replica (zbench.analyze.memory.estimate_case)
     training: int  # the largest training micro-batch's activations and logits
     forward: int  # the largest gradient-free micro-batch's logits and one layer's working set
-    kv_cache: int  # vLLM's KV cache on this rank
+    kv_cache: int  # the rollout's KV cache on this rank, given back before training (vLLM's, the graph loop's)
     critic: int = 0  # on a GPU, the critic's largest pass, which its process keeps cached through the others
     held_kv: int = 0  # the graph loop's static KV cache, held through training
 
@@ -56,8 +56,9 @@ class GeometryMemory:
         keeps its activations added about 2.8 GB to the training phase, actor and critic together, and the
         generation phase grew by the critic's share (results/reference/h200x2-ppo-20261126).
 
-        The graph loop's KV cache is recorded into its CUDA graph by address, so it stays allocated while the
-        model trains (`held_kv`)."""
+        The graph loop's KV cache is recorded into its CUDA graph by address: given back after each rollout at
+        those addresses (`rollout.release_kv_cache`) it is `kv_cache`, else it stays allocated while the model
+        trains (`held_kv`)."""
         return self.states + self.critic + self.held_kv + max(self.training, self.forward, self.kv_cache)
 
     @property
@@ -147,7 +148,11 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     held = 0
     if rollout_engine(cfg, on_cuda) == "hf-graph":
         width = aligned(cfg.data.max_prompt_length, PROMPT_WIDTH_MULTIPLE) + cfg.rollout.max_new_tokens
-        held = cfg.batch_plan().sequences_per_rank * width * 2 * d.num_layers * d.num_kv_heads * d.head_dim * p
+        loop_kv = cfg.batch_plan().sequences_per_rank * width * 2 * d.num_layers * d.num_kv_heads * d.head_dim * p
+        if cfg.rollout.release_kv_cache:  # given back after each rollout, as a sleeping vLLM's
+            kv = loop_kv
+        else:
+            held = loop_kv
     if not on_cuda:  # every rank's states and passes live in the one host's memory
         ranks = cfg.trainer.world_size
         return GeometryMemory(states=states * ranks, training=training * ranks, forward=forward * ranks, kv_cache=0)

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zbench.engine import device_memory
 from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
+from zbench.engine.records import gpu_memory_in_use_gb
 
 GQA_DECODE = "zbench_gqa_decode"
 GQA_DECODE_SKIPPING = "zbench_gqa_decode_skipping"
@@ -192,6 +194,16 @@ class LoopState:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
+def _plain_static_layers(config: Any) -> bool:
+    """Whether transformers' static cache for this model is all plain `StaticLayer`s (no sliding window, indexer
+    keys or recurrent state), whose keys and values `GraphDecoder` can place itself."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(StaticCache(config=config, max_cache_len=1), "layers", [])  # allocates nothing before a write
+    return bool(layers) and all(type(layer) is StaticLayer for layer in layers)
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
@@ -207,10 +219,16 @@ class GraphDecoder:
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
     prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple
     of 64) to bound the number of recordings.
+
+    With `release_cache`, the KV cache's memory goes back after each rollout (`free_cache`). Compiled, its pages are
+    unmapped and mapped again at the same addresses before the next rollout, so the recorded graphs replay over them
+    (`zbench.engine.device_memory`, on CUDA over transformers' plain static layers); where that cannot be, it is
+    held, as a cache allocated anew would make the step record again. Run eagerly, the cache is dropped and
+    allocated again.
     """
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
-                 merge: bool = True, sample_in_graph: bool = True):
+                 merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False):
         from zbench.engine.merged_projections import merge_projections
 
         use_gqa_decode_attention(model, attention)
@@ -226,6 +244,14 @@ class GraphDecoder:
         device = next(model.parameters()).device
         self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
         self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
+        # the cache's pages given back and mapped again at the same addresses (else, released, the cache is dropped)
+        self.cache_at_fixed_addresses = (release_cache and compile and device_memory.available(device)
+                                         and _plain_static_layers(model.config))
+        # a recorded step over a cache dropped and allocated anew would record again each rollout: it holds it
+        self.release_cache = release_cache and (not compile or self.cache_at_fixed_addresses)
+        # the current cache's keys and values where they live at fixed addresses, else None
+        self._cache_memory: Any = None
+        self.wake_seconds = 0.0  # the last rollout's mapping of its cache's pages again (0: none needed)
         # the last rollout's runs of rows that read their prompt's keys once: (rows a run, prompt columns), (1, 0)
         self.shared_prefix: tuple[int, int] = (1, 0)
         self._decode = self._forward
@@ -265,24 +291,68 @@ class GraphDecoder:
 
     def release(self) -> None:
         """Drop the KV cache (before the replica is parked off the accelerator)."""
-        self._cache_slot = None
+        if self._cache_memory is not None:  # its pages now; its addresses once nothing views them
+            self._cache_memory.release()
+        self._cache_slot = self._cache_memory = None
+
+    def free_cache(self) -> None:
+        """Give the KV cache's GPU memory back until the next `generate`: its pages where it lives at fixed addresses
+        (kept for the recorded graphs, mapped again by `generate`), else the whole cache."""
+        if self._cache_memory is not None:
+            self._cache_memory.release()
+        else:
+            self.release()
+
+    def _static_cache(self, batch: int, length: int, device: torch.device) -> Any:
+        """transformers' static cache for (batch, length); where the cache is released between rollouts and the
+        device can do so at fixed addresses, its layers' keys and values are placed in one `ReleasableMemory`
+        (`self._cache_memory`) instead of allocated by each layer at its first write."""
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        if not self.cache_at_fixed_addresses:
+            return cache
+        layers = cache.layers
+        config = self.model.config.get_text_config(decoder=True)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        dtype = next(self.model.parameters()).dtype
+        per_tensor = batch * heads * length * head_dim
+        memory = device_memory.ReleasableMemory(2 * len(layers) * per_tensor * dtype.itemsize, device)
+        flat = memory.tensor.view(dtype)
+        for i, layer in enumerate(layers):  # as StaticLayer.lazy_initialization sets a layer up
+            layer.device, layer.batch_size, layer.num_heads = device, batch, heads
+            layer.k_head_dim = layer.v_head_dim = head_dim
+            layer.keys, layer.values = (flat[(2 * i + j) * per_tensor: (2 * i + j + 1) * per_tensor]
+                                        .view(batch, heads, length, head_dim) for j in (0, 1))
+            layer.cumulative_length = layer.cumulative_length.to(device)
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+            layer.is_initialized = True
+        self._cache_memory = memory
+        return cache
 
     def _cache(self, batch: int, length: int, new_tokens: int, eos_ids: list[int],
                device: torch.device) -> tuple[Any, torch.Tensor, LoopState]:
-        from transformers import StaticCache
-
         key = (batch, length, new_tokens, *eos_ids)
+        self.wake_seconds = 0.0
         if self._cache_slot is None or self._cache_slot[0] != key:
             # one cache at a time: a new prompt-width bucket replaces the last one (freed before allocating)
-            self._cache_slot = None
+            self.release()
             mask = torch.zeros(batch, length, dtype=torch.long, device=device)
             state = LoopState.allocate(batch, new_tokens, eos_ids, device)
             if self.compile:  # changed in place by the recorded step
                 for tensor in (mask, *state.tensors()):
                     torch._dynamo.mark_static_address(tensor)
-            self._cache_slot = (key, StaticCache(config=self.model.config, max_cache_len=length), mask, state)
+            self._cache_slot = (key, self._static_cache(batch, length, device), mask, state)
+        elif self._cache_memory is not None and not self._cache_memory.held:
+            # training's cached blocks go back first, so the device holds one phase's memory at a time
+            start = time.perf_counter()
+            torch.cuda.empty_cache()
+            self._cache_memory.restore()
+            self.wake_seconds = time.perf_counter() - start
         _, cache, mask, state = self._cache_slot
-        cache.reset()
+        cache.reset()  # also what the pages mapped again held
         mask.zero_()
         return cache, mask, state
 
@@ -408,7 +478,7 @@ class HFRollout:
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
                  cuda_graph: bool = False, parked: bool = False, decode_attention: str = "auto",
-                 prompt_width: int | None = None, samples: int = 1):
+                 prompt_width: int | None = None, samples: int = 1, release_kv_cache: bool = False):
         self.model = model.eval()
         self.samples = samples  # rows come as runs of this many samples of one prompt (GRPO's n)
         self.pad_id, self.eos_ids = pad_id, eos_ids
@@ -424,13 +494,17 @@ class HFRollout:
         dtype = next(self.model.parameters()).dtype
         self.decode_attention = (resolve_decode_attention(decode_attention, device, self.model.config, dtype)
                                  if cuda_graph else None)
-        self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention)
+        self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention,
+                                   release_cache=release_kv_cache)
                       if self.decode_attention else None)
         # the graph loop's projection groups merged into one matrix multiply each (None without the graph loop)
         self.merged_projections = self.graph.merged_projections if self.graph is not None else None
         # the one width every batch is padded to (None: widths as they come)
         self.prompt_width = one_prompt_width(prompt_width, compile_step, self.decode_attention)
         self.seconds: dict[str, float] = {}  # of the last rollout: sampling, device to host included
+        # the GPU's memory in use at the end of the last rollout, before the graph loop freed its KV cache (0: not
+        # freed, the caller's own sample after the rollout sees it all), in GiB
+        self.awake_used_gb = 0.0
 
     @property
     def engine(self) -> str:
@@ -451,6 +525,17 @@ class HFRollout:
         return "in-graph" if self.graph.draws_in_graph(self.top_p) else "eager"
 
     @property
+    def kv_cache(self) -> str | None:
+        """What the graph loop does with its KV cache between rollouts, for the case's result.json: `held` (kept
+        allocated through training), `unmapped` (its GPU pages given back and mapped again at the same addresses:
+        `zbench.engine.device_memory`) or `dropped` (freed and allocated again); None without the graph loop."""
+        if self.graph is None:
+            return None
+        if not self.graph.release_cache:
+            return "held"
+        return "unmapped" if self.graph.cache_at_fixed_addresses else "dropped"
+
+    @property
     def shared_rows(self) -> int | None:
         """How many rows read their prompt's keys and values once for all of them in the last rollout's decode steps
         (`GraphDecoder.generate`'s `samples`, where the prompts and the attention allow it), 1 where each row read
@@ -469,6 +554,14 @@ class HFRollout:
         start = time.perf_counter()
         out = self._generate(input_ids, attention_mask, seed)
         self.seconds = {"engine": time.perf_counter() - start}
+        if self.graph is not None and self.graph.wake_seconds:  # inside the engine's time
+            self.seconds["wake"] = self.graph.wake_seconds
+        if self.graph is not None and self.graph.release_cache:
+            if self.device.type == "cuda":
+                self.awake_used_gb = gpu_memory_in_use_gb(self.device)
+            start = time.perf_counter()
+            self.graph.free_cache()
+            self.seconds["sleep"] = time.perf_counter() - start
         return out
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:

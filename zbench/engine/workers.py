@@ -524,6 +524,7 @@ class PolicyWorker(_Worker):
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
+                "kv_cache": getattr(self.rollout, "kv_cache", None),  # the graph loop's between rollouts
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
@@ -579,7 +580,7 @@ class PolicyWorker(_Worker):
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
                          decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length,
-                         samples=r.n)
+                         samples=r.n, release_kv_cache=r.release_kv_cache)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:
