@@ -124,7 +124,8 @@ class RolloutConfig:
     """How responses are sampled."""
 
     # hf (transformers), vllm (colocated vLLM engine), auto (on a GPU: hf's graph loop for PPO at <= 32 rows a rank,
-    # ZeRO-1/2, no offload, where measured faster (zbench.config.auto_takes_graph_loop); else vllm if usable)
+    # ZeRO-1/2, and for GRPO at <= 128 with its KV cache given back, ZeRO-1/2/3, no offload, where measured faster
+    # (zbench.config.auto_takes_graph_loop); else vllm if usable)
     backend: str = "hf"
     n: int = 1  # samples per prompt (GRPO needs n >= 2)
     temperature: float = 1.0  # sampling temperature (0: greedy)
@@ -135,8 +136,9 @@ class RolloutConfig:
     # hf: zbench's decode loop, static KV cache, decode step replayed as a CUDA graph, q/k/v and gate/up projections
     # merged, each distinct prompt prefilled once; with top_p 1 the graph also draws the token
     # (zbench.engine.race_sampling); with the triton attention every batch is padded to data.max_prompt_length (to a
-    # multiple of 64): one recording a run, its largest KV cache from the first step, held through training. A GPU
-    # default at ZeRO-1/2 without optimizer offload where the triton attention runs (zbench.config.graph_loop_measured)
+    # multiple of 64): one recording a run, its largest KV cache from the first step (release_kv_cache). A GPU
+    # default at ZeRO-1/2 (GRPO: 1-3) without optimizer offload where the triton attention runs
+    # (zbench.config.graph_loop_measured)
     cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
     # rollouts 1.2-1.3x faster on an H200, results/reference/h200x2-decode-attention-20261127), sdpa (the whole
@@ -643,28 +645,39 @@ def _decode_kernels_fit(model_path: str, precision: str) -> bool:
 
 def graph_loop_measured(cfg: RunConfig) -> bool:
     """Where the hf backend's CUDA-graph decode loop has run inside cases on a GPU in the form that makes it fast,
-    which is where it is a GPU default: ZeRO-1/2, its replica on the GPU (no optimizer offload: `replica_parks`), and
-    the Triton decode attention (`rollout.decode_attention` not sdpa, a model whose attention the kernels compute).
-    With SDPA every new prompt width records the decode step again (13-43 s on an H200); ZeRO-0 and ZeRO-3 cases have
-    not run the loop."""
-    return (cfg.zero.stage in (1, 2) and not replica_parks(cfg) and cfg.rollout.decode_attention != "sdpa"
+    which is where it is a GPU default: ZeRO-1/2, and ZeRO-3 without a critic (GRPO's ZeRO-3 at the reference config
+    on 2 x H100: 3.64 s a step, 1.09x its ZeRO-2, results/reference/released-cache-20261128); its replica on the GPU
+    (no optimizer offload: `replica_parks`), and the Triton decode attention (`rollout.decode_attention` not sdpa, a
+    model whose attention the kernels compute). With SDPA every new prompt width records the decode step again
+    (13-43 s on an H200); ZeRO-0 cases and PPO's ZeRO-3 have not run the loop."""
+    stage = cfg.zero.stage in (1, 2) or (cfg.zero.stage == 3 and not cfg.needs_critic)
+    return (stage and not replica_parks(cfg) and cfg.rollout.decode_attention != "sdpa"
             and _decode_kernels_fit(cfg.model.path, cfg.model.precision(True)))
 
 
 def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     """Whether `rollout.backend=auto` runs the hf backend's CUDA-graph decode loop rather than vLLM on a GPU: PPO,
-    whose critic updates beside the rollout, where a rank samples at most `GRAPH_LOOP_ROWS` rows at once, where the
-    loop has run (`graph_loop_measured`) and is on (`rollout.cuda_graph`, then a GPU default), and nothing asks for
-    what only vLLM does (tensor parallelism, its sampling log-probs, its eager mode). Measured there: PPO's reference
-    config (32 rows a GPU), ZeRO-1 and ZeRO-2, 2.05-2.06 s a step against vLLM's 2.43-2.46 s in one run on
-    2 x H200, at 4.1 GB more GPU memory in use (34 against 30 GB): the loop's KV cache and replica stay on the GPU
-    through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
+    whose critic updates beside the rollout, where a rank samples at most `GRAPH_LOOP_ROWS` rows at once, and a case
+    without a critic (GRPO) at up to `GRAPH_LOOP_RELEASED_ROWS` where the loop gives its KV cache back between
+    rollouts (`rollout.release_kv_cache`); where the loop has run (`graph_loop_measured`) and is on
+    (`rollout.cuda_graph`, then a GPU default), and nothing asks for what only vLLM does (tensor parallelism, its
+    sampling log-probs, its eager mode).
+
+    GRPO's reference config (128 rows a GPU) on 2 x H100 with the cache given back: 3.36 s a step at ZeRO-2 (rollout
+    2.04 s, of which 0.02 s mapping the cache again and 0.01 s releasing it) and 3.64 s at ZeRO-3, at 24.1 and 23.9 GB
+    in use (results/reference/released-cache-20261128). vLLM was not run on that host; on 2 x H100 three days before
+    it took 4.56 and 4.42 s (rollout 3.09 and 2.94 s) at 25.8 and 26.3 GB (results/reference/h100x2-20261125), and on
+    2 x H200 3.29-3.87 s at ZeRO-2. Alone on one H200, at these 128 rows (32 prompts x 4), the loop's rollout took
+    1.84 s, reading each prompt's keys once for its samples, against vLLM's 1.96-2.14 s on the fastest host measured
+    (results/reference/shared-prefix-20261128); held through training its cache would be 15 GB, over GRPO's memory.
+
+    PPO's reference config (32 rows a GPU), ZeRO-1 and ZeRO-2, 2.05-2.06 s a step against vLLM's 2.43-2.46 s in one
+    run on 2 x H200, at 4.1 GB more GPU memory in use (34 against 30 GB), the loop's KV cache and replica held on the
+    GPU through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
     and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
-    and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). Elsewhere vLLM: alone (GRPO, no
-    critic) the loop's 32-row rollout was about as fast as vLLM's, host by host; at GRPO's 128 rows the loop, which
-    reads each prompt's keys once for its samples, takes 1.84 s alone on an H200 (2.01 s before that,
-    results/reference/shared-prefix-20261128) against vLLM's 1.96-2.14 s on the fastest host measured, but its
-    held cache would be 15 GB, over GRPO's memory budget."""
+    and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). With the cache given back,
+    2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.1 GB in use, where holding it had taken 2.17 s at 33.3 GB on another
+    2 x H100 host (results/reference/released-cache-20261128, shared-prefix-20261128). Elsewhere vLLM."""
     r = cfg.rollout
     rows = cfg.batch_plan().sequences_per_rank
     sized = (rows <= GRAPH_LOOP_ROWS if cfg.needs_critic else r.release_kv_cache and rows <= GRAPH_LOOP_RELEASED_ROWS)
