@@ -266,14 +266,14 @@ def test_graph_loop_measured_peak_over_vllm_is_its_held_cache_and_replica():
 
     from zbench.analyze.activations import geometry_memory
     from zbench.analyze.memory import estimate_case
-    from zbench.config import load_case_config, with_overrides
+    from zbench.config import load_case_config
 
     [root] = ONE_WIDTH_RUN.glob("gpu-ppo_*")
     with open(root / "summary.tsv", newline="") as f:
         rows = {r["case"]: r for r in csv.DictReader(f, delimiter="\t")}
     for stage in ("zero1", "zero2"):
         graph_cfg, vllm_cfg = (load_case_config(root / f"{stage}_{b}" / "config.yaml") for b in ("graph", "vllm"))
-        graph_cfg = with_overrides(graph_cfg, {"rollout.release_kv_cache": False})  # ran before it was given back
+        assert not graph_cfg.rollout.release_kv_cache  # recorded before the loop could give it back
         graph, vllm = geometry_memory(graph_cfg, True), geometry_memory(vllm_cfg, True)
         assert graph.peak_bytes - vllm.peak_bytes == graph.held_kv > 0
         measured = float(rows[f"{stage}_graph"]["device_memory_used_gb"]) - float(rows[f"{stage}_vllm"]["device_memory_used_gb"])

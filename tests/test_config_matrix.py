@@ -252,6 +252,15 @@ def test_committed_run_roots_stay_readable() -> None:
     assert older and all(c.actor.loss_agg == "micro-token-mean" and not c.trainer.sort_micro_batches for c in older)
     newer = [cfg for path, cfg in loaded.items() if "loss_agg" in path.read_text()]
     assert newer and all(c.actor.loss_agg == "token-mean" for c in newer)
+    # the graph loop held its KV cache through training before it could give it back
+    held = [cfg for path, cfg in loaded.items() if "release_kv_cache" not in path.read_text()]
+    assert held and not any(c.rollout.release_kv_cache for c in held)
+    released = [cfg for path, cfg in loaded.items() if "release_kv_cache" in path.read_text()]
+    assert released and all(c.rollout.release_kv_cache for c in released)
+    # a run root recorded just before (its config otherwise complete) can still be resumed
+    last_held = Path(__file__).resolve().parents[1] / "results/reference/shared-prefix-20261128"
+    [path] = last_held.glob("gpu-ppo_*/zero1_auto/config.yaml")
+    assert not load_case_config(path, complete=True).rollout.release_kv_cache
     with pytest.raises(ConfigError, match=r"rollout.request_seeds: False is no longer supported"):
         from_dict({"rollout": {"request_seeds": False}})
     assert from_dict({"rollout": {"request_seeds": True}}) == from_dict({})
@@ -331,6 +340,9 @@ def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:
     assert not any(loop("grpo-six-case", ("trainer.world_size", 1)).values())  # 256 rows on the one rank
     # PPO's ZeRO-3 has not run the loop; GRPO's has
     assert not loop("six-case", ("rollout.release_kv_cache", True))["zero3_no_offload"]
+    [grpo_z3] = [c.config for c in expand(load_matrix("grpo-six-case"), sets=ref) if c.name == "zero3_no_offload"]
+    assert graph_loop_measured(grpo_z3)  # ZeRO-3 ran the loop with its cache given back, not held
+    assert not graph_loop_measured(with_overrides(grpo_z3, {"rollout.release_kv_cache": False}))
     assert loop("six-case", ("rollout.release_kv_cache", False)) == loop("six-case")  # PPO's 32 rows either way
     for named in (("rollout.cuda_graph", False), ("rollout.log_probs", True), ("rollout.enforce_eager", True)):
         assert not any(loop("six-case", named).values()), named

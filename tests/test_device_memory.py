@@ -45,3 +45,18 @@ def test_released_memory_goes_back_to_the_device_and_returns_at_the_same_address
     memory.release()  # twice: a no-op
     memory.restore()
     memory.restore()
+
+
+def test_a_compiled_loop_that_cannot_give_its_cache_back_holds_it_and_says_so(capsys):
+    """Where memory cannot be mapped at fixed addresses (here: the CPU), a compiled loop asked to release its cache
+    holds it, since a cache allocated anew would make its recorded step record again, and says so."""
+    from transformers import AutoModelForCausalLM
+
+    from zbench.engine.rollout import GraphDecoder
+    from zbench.models import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32)
+    decoder = GraphDecoder(model, compile=True, release_cache=True)
+    assert not decoder.release_cache and not decoder.cache_at_fixed_addresses
+    assert "rollout.release_kv_cache: the graph loop holds its KV cache through training" in capsys.readouterr().out
+    assert GraphDecoder(model, compile=False, release_cache=True).release_cache  # eager: dropped and made again

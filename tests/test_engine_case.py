@@ -88,7 +88,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     missing = PPO_METRICS - set(a[-1])
     assert not missing, missing
-    # the rollout engine's own time is inside the gen phase; the hf backend has no sleep to report
+    # the rollout engine's own time is inside the gen phase; hf's generate has no sleep to report
     assert all(0 < r["perf/rollout_engine_s"] < r["timing_s/gen"] and "perf/rollout_sleep_s" not in r for r in a + b)
     # concurrent: the critic's own time, and the wait for it after the actor's update and weight push
     assert all(r["timing_s/update_critic"] > 0 and r["timing_s/critic_wait"] >= 0 for r in b)

@@ -342,12 +342,13 @@ def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attent
         expected, got = (d.generate(ids, mask, generator=torch.Generator(device).manual_seed(seed), **kwargs)
                          for d in (held, released))
         assert torch.equal(got, expected), seed
-        layers = released._cache_slot[1].layers
-        now = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in layers]
-        assert addresses in (None, now)  # the same addresses each rollout
-        addresses = now
         memory = released._cache_memory
         assert memory.held
+        layers = released._cache_slot[1].layers  # every layer's keys and values in the one released range
+        now = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in layers]
+        assert all(memory.address <= p < memory.address + memory.nbytes for pair in now for p in pair)
+        assert addresses in (None, now)  # the same addresses each rollout
+        addresses = now
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.mem_get_info(device)[0]

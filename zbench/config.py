@@ -146,8 +146,8 @@ class RolloutConfig:
     decode_attention: str = "auto"
     # cuda_graph: give the KV cache's GPU memory back after each rollout, for training to use, and take it again
     # before the next (on CUDA its pages are unmapped and mapped again at the addresses the recorded step replays
-    # over: zbench.engine.device_memory; elsewhere the cache is freed and allocated again); false holds it through
-    # training
+    # over: zbench.engine.device_memory; a device or model where that cannot be holds it, with a warning; run eagerly
+    # the cache is freed and allocated again); false holds it through training
     release_kv_cache: bool = True
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
@@ -650,7 +650,9 @@ def graph_loop_measured(cfg: RunConfig) -> bool:
     (no optimizer offload: `replica_parks`), and the Triton decode attention (`rollout.decode_attention` not sdpa, a
     model whose attention the kernels compute). With SDPA every new prompt width records the decode step again
     (13-43 s on an H200); ZeRO-0 cases and PPO's ZeRO-3 have not run the loop."""
-    stage = cfg.zero.stage in (1, 2) or (cfg.zero.stage == 3 and not cfg.needs_critic)
+    # GRPO's ZeRO-3 ran the loop with its cache given back only
+    grpo_zero3 = cfg.zero.stage == 3 and not cfg.needs_critic and cfg.rollout.release_kv_cache
+    stage = cfg.zero.stage in (1, 2) or grpo_zero3
     return (stage and not replica_parks(cfg) and cfg.rollout.decode_attention != "sdpa"
             and _decode_kernels_fit(cfg.model.path, cfg.model.precision(True)))
 
@@ -664,8 +666,9 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     sampling log-probs, its eager mode).
 
     GRPO's reference config (128 rows a GPU) on 2 x H100 with the cache given back: 3.36 s a step at ZeRO-2 (rollout
-    2.04 s, of which 0.02 s mapping the cache again and 0.01 s releasing it) and 3.64 s at ZeRO-3, at 24.1 and 23.9 GB
-    in use (results/reference/released-cache-20261128). vLLM was not run on that host; on 2 x H100 three days before
+    2.04 s, of which 0.02 s mapping the cache again and 0.01 s releasing it) and 3.64 s at ZeRO-3, at 24.7 and 24.6 GB
+    in use at the peak (results/reference/released-cache-20261128); GRPO's ZeRO-1, whose rollout is ZeRO-2's, was not
+    run with it. vLLM was not run on that host; on 2 x H100 three days before
     it took 4.56 and 4.42 s (rollout 3.09 and 2.94 s) at 25.8 and 26.3 GB (results/reference/h100x2-20261125), and on
     2 x H200 3.29-3.87 s at ZeRO-2. Alone on one H200, at these 128 rows (32 prompts x 4), the loop's rollout took
     1.84 s, reading each prompt's keys once for its samples, against vLLM's 1.96-2.14 s on the fastest host measured
@@ -676,7 +679,7 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     GPU through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
     and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
     and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). With the cache given back,
-    2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.1 GB in use, where holding it had taken 2.17 s at 33.3 GB on another
+    2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.9 GB in use, where holding it had taken 2.17 s at 33.3 GB on another
     2 x H100 host (results/reference/released-cache-20261128, shared-prefix-20261128). Elsewhere vLLM."""
     r = cfg.rollout
     rows = cfg.batch_plan().sequences_per_rank
@@ -830,6 +833,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"actor.loss_agg": "micro-token-mean", "critic.loss_agg": "micro-token-mean", "trainer.sort_micro_batches": False},
     {"model.head_loss_in_forward": False},
     {"trainer.critic_update": "serial"},
+    {"rollout.release_kv_cache": False},  # the graph loop held its KV cache through training
 )
 
 

@@ -130,7 +130,8 @@ def available(device: torch.device) -> bool:
 
 class _Interface:
     """The `__cuda_array_interface__` PyTorch reads to view the range as a uint8 tensor. Each tensor viewing it keeps
-    this object alive, and its finalizer frees the address range: never while a view of it exists."""
+    this object alive, and its finalizer frees the address range: never while a view of it exists (at interpreter
+    exit the driver frees it with the process's context)."""
 
     def __init__(self, address: int, nbytes: int):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
@@ -142,6 +143,7 @@ def _free(address: int, size: int, handle: list[int | None]) -> None:
     if lib is None:
         return
     if handle[0] is not None:
+        torch.cuda.synchronize()  # no queued kernel may still touch the pages
         lib.cuMemUnmap(address, size)
         lib.cuMemRelease(handle[0])
         handle[0] = None
@@ -175,7 +177,7 @@ class ReleasableMemory:
         self.address = address.value
         self._handle: list[int | None] = [None]  # the physical allocation mapped now, shared with the finalizer
         interface = _Interface(self.address, nbytes)
-        weakref.finalize(interface, _free, self.address, self.size, self._handle)
+        weakref.finalize(interface, _free, self.address, self.size, self._handle).atexit = False
         self.restore()
         self.tensor = torch.as_tensor(interface, device=self.device)
         if self.tensor.data_ptr() != self.address:

@@ -249,6 +249,13 @@ class GraphDecoder:
                                          and _plain_static_layers(model.config))
         # a recorded step over a cache dropped and allocated anew would record again each rollout: it holds it
         self.release_cache = release_cache and (not compile or self.cache_at_fixed_addresses)
+        if release_cache and not self.release_cache:
+            why = ("its device cannot map memory at fixed addresses (zbench.engine.device_memory.available)"
+                   if not device_memory.available(device) else
+                   "its model's static cache is not all transformers' plain StaticLayer (a sliding window, indexer "
+                   "keys, a recurrent state)")
+            print(f"[zbench] warning: rollout.release_kv_cache: the graph loop holds its KV cache through training, "
+                  f"as {why}; the memory estimates count it as given back", flush=True)
         # the current cache's keys and values where they live at fixed addresses, else None
         self._cache_memory: Any = None
         self.wake_seconds = 0.0  # the last rollout's mapping of its cache's pages again (0: none needed)
@@ -339,6 +346,8 @@ class GraphDecoder:
         if self._cache_slot is None or self._cache_slot[0] != key:
             # one cache at a time: a new prompt-width bucket replaces the last one (freed before allocating)
             self.release()
+            if self.cache_at_fixed_addresses:  # as below: one phase's memory at a time
+                torch.cuda.empty_cache()
             mask = torch.zeros(batch, length, dtype=torch.long, device=device)
             state = LoopState.allocate(batch, new_tokens, eos_ids, device)
             if self.compile:  # changed in place by the recorded step
@@ -552,15 +561,21 @@ class HFRollout:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
         """Sample one response per row; returns responses padded to `max_new_tokens` and their mask."""
         start = time.perf_counter()
-        out = self._generate(input_ids, attention_mask, seed)
+        releasing = self.graph if self.graph is not None and self.graph.release_cache else None
+        try:
+            out = self._generate(input_ids, attention_mask, seed)
+        except BaseException:
+            if releasing is not None:  # whatever ends the rollout, training gets the cache's memory back
+                releasing.free_cache()
+            raise
         self.seconds = {"engine": time.perf_counter() - start}
-        if self.graph is not None and self.graph.wake_seconds:  # inside the engine's time
-            self.seconds["wake"] = self.graph.wake_seconds
-        if self.graph is not None and self.graph.release_cache:
+        if releasing is not None:
+            if releasing.cache_at_fixed_addresses:  # inside the engine's time; 0 at the first rollout
+                self.seconds["wake"] = releasing.wake_seconds
             if self.device.type == "cuda":
                 self.awake_used_gb = gpu_memory_in_use_gb(self.device)
             start = time.perf_counter()
-            self.graph.free_cache()
+            releasing.free_cache()
             self.seconds["sleep"] = time.perf_counter() - start
         return out
 
