@@ -321,6 +321,14 @@ def test_the_eager_loop_drops_its_cache_after_each_rollout_and_samples_as_one_th
         assert "sleep" in released.seconds and "sleep" not in held.seconds
         assert released.awake_used_gb == 0.0  # no GPU to sample
 
+    def broken_prefill(*args, **kwargs):
+        raise RuntimeError("prefill failed")
+
+    released.graph._prefill = broken_prefill  # a rollout that raises still gives its cache back
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        released.generate(input_ids, mask, 3)
+    assert released.graph._cache_slot is None
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and its memory need CUDA")

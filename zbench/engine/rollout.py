@@ -15,6 +15,7 @@ cache (`gqa_decode_attention`), or with zbench's Triton kernels, which read only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -566,7 +567,8 @@ class HFRollout:
             out = self._generate(input_ids, attention_mask, seed)
         except BaseException:
             if releasing is not None:  # whatever ends the rollout, training gets the cache's memory back
-                releasing.free_cache()
+                with contextlib.suppress(Exception):  # the rollout's own error is the one to report
+                    releasing.free_cache()
             raise
         self.seconds = {"engine": time.perf_counter() - start}
         if releasing is not None:
