@@ -333,10 +333,21 @@ def test_the_eager_loop_drops_its_cache_after_each_rollout_and_samples_as_one_th
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and its memory need CUDA")
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
-def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attention):
+def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attention, monkeypatch):
     """Compiled on CUDA, a loop that releases its cache unmaps it after each rollout (the device's free memory rises
-    by the cache's size) and maps it again at the same addresses, which the recorded step replays over; it samples
-    what a loop holding its cache samples, seed for seed, with GRPO's runs of samples too."""
+    by the cache's size) and maps it again at the same addresses, which the recorded step replays over without
+    recording again; it samples what a loop holding its cache samples, seed for seed, with GRPO's runs of samples
+    too."""
+    from torch._inductor import cudagraph_trees
+
+    recordings = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counted(self, *args, **kwargs):
+        recordings.append(1)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counted)
     model, pad_id, eos_ids, input_ids, mask = tiny
     ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
     kwargs = {"max_new_tokens": 20, "temperature": 1.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
@@ -346,7 +357,8 @@ def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attent
     assert released.cache_at_fixed_addresses and released.release_cache and not held.cache_at_fixed_addresses
     device = ids.device
     addresses = None
-    for seed in (7, 8, 7):
+    first = 0
+    for rollout, seed in enumerate((7, 8, 7)):
         expected, got = (d.generate(ids, mask, generator=torch.Generator(device).manual_seed(seed), **kwargs)
                          for d in (held, released))
         assert torch.equal(got, expected), seed
@@ -362,6 +374,9 @@ def test_the_recorded_loop_gives_its_cache_back_and_replays_over_it(tiny, attent
         before = torch.cuda.mem_get_info(device)[0]
         released.free_cache()
         assert not memory.held and torch.cuda.mem_get_info(device)[0] - before >= memory.nbytes
+        if rollout == 0:  # the first rollouts recorded their steps; the later ones replay them
+            first = len(recordings)
+    assert first > 0 and len(recordings) == first
 
 
 @pytest.mark.gpu
