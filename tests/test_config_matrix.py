@@ -16,6 +16,7 @@ from zbench.config import (
     effective_offload,
     from_dict,
     graph_loop_measured,
+    kv_cache_released,
     load_case_config,
     parse_set,
     replica_parks,
@@ -305,6 +306,31 @@ def test_gpu_hf_cases_take_the_graph_loop_where_it_has_run_fast(tmp_path: Path) 
     assert not graph_loop_measured(with_overrides(z1.config, {"model.path": str(odd)}))
     cpu = expand(load_matrix("six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)[0]
     assert not cpu.config.rollout.cuda_graph and cpu.device_defaults == {}
+
+
+def test_a_model_whose_cache_cannot_be_given_back_keeps_grpo_on_vllm(tmp_path: Path) -> None:
+    """A model whose static cache holds sliding-window layers: the graph loop could not give that cache back, so
+    `auto` leaves GRPO on vLLM, GRPO's ZeRO-3 gets no loop by default, and where the loop is asked for anyway the
+    memory model holds its cache through training."""
+    from transformers import Qwen3Config
+
+    from zbench.analyze.activations import geometry_memory
+
+    sliding = tmp_path / "qwen3-sliding"
+    Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_hidden_layers=4,
+                intermediate_size=3072, vocab_size=151936, layer_types=["sliding_attention"] * 4, sliding_window=256,
+                use_sliding_window=True).save_pretrained(sliding)
+    ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
+           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512)]
+    plain = {c.name: c.config for c in expand(load_matrix("grpo-six-case"), sets=[*ref, ("model.path", "qwen3-0.6b")])}
+    odd = {c.name: c.config for c in expand(load_matrix("grpo-six-case"), sets=[*ref, ("model.path", str(sliding))])}
+    assert kv_cache_released(plain["zero2_no_offload"]) and not kv_cache_released(odd["zero2_no_offload"])
+    auto = {"rollout.backend": "auto", "rollout.cuda_graph": True}
+    assert auto_takes_graph_loop(with_overrides(plain["zero2_no_offload"], auto))
+    assert not auto_takes_graph_loop(with_overrides(odd["zero2_no_offload"], auto))
+    assert graph_loop_measured(plain["zero3_no_offload"]) and not graph_loop_measured(odd["zero3_no_offload"])
+    asked = geometry_memory(with_overrides(odd["zero2_no_offload"], {"rollout.cuda_graph": True}), True)
+    assert asked.held_kv > 0 and asked.kv_cache == 0
 
 
 def test_auto_takes_the_graph_loop_where_it_was_measured_faster() -> None:

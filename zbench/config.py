@@ -137,7 +137,8 @@ class RolloutConfig:
     # merged, each distinct prompt prefilled once; with top_p 1 the graph also draws the token
     # (zbench.engine.race_sampling); with the triton attention every batch is padded to data.max_prompt_length (to a
     # multiple of 64): one recording a run, its largest KV cache from the first step (release_kv_cache). A GPU
-    # default at ZeRO-1/2 (GRPO: 1-3) without optimizer offload where the triton attention runs
+    # default at ZeRO-1/2 (GRPO: 1-3, ZeRO-3 with the cache given back) without optimizer offload where the triton
+    # attention runs
     # (zbench.config.graph_loop_measured)
     cuda_graph: bool = False
     # cuda_graph's attention: triton (zbench.engine.decode_attention: reads only the cache positions a row attends;
@@ -643,6 +644,28 @@ def _decode_kernels_fit(model_path: str, precision: str) -> bool:
     return unsupported(config, torch.bfloat16 if precision == "bf16" else torch.float32) is None
 
 
+@functools.lru_cache(maxsize=32)
+def _static_cache_plain(model_path: str) -> bool:
+    """Whether transformers' static cache for this model is all plain layers, whose memory the graph loop can give
+    back between rollouts (`zbench.engine.rollout.plain_static_layers`)."""
+    from zbench.analyze.model_size import model_config
+    from zbench.engine.rollout import plain_static_layers
+
+    try:
+        config = model_config(model_path)
+    except ValueError as err:  # the message names model.path and what it takes
+        raise ConfigError("", f"{err} (a GPU case reads its model's cache layers to choose its rollout loop)") from None
+    return plain_static_layers(config)
+
+
+def kv_cache_released(cfg: RunConfig) -> bool:
+    """Whether the graph loop gives its KV cache back between rollouts on a GPU: asked (`rollout.release_kv_cache`)
+    and possible for the model (its static cache all plain layers). The device is taken to map memory at fixed
+    addresses (`zbench.engine.device_memory`), as every GPU measured did; one that cannot holds the cache and says
+    so."""
+    return cfg.rollout.release_kv_cache and _static_cache_plain(cfg.model.path)
+
+
 def graph_loop_measured(cfg: RunConfig) -> bool:
     """Where the hf backend's CUDA-graph decode loop has run inside cases on a GPU in the form that makes it fast,
     which is where it is a GPU default: ZeRO-1/2, and ZeRO-3 without a critic (GRPO's ZeRO-3 at the reference config
@@ -651,7 +674,7 @@ def graph_loop_measured(cfg: RunConfig) -> bool:
     model whose attention the kernels compute). With SDPA every new prompt width records the decode step again
     (13-43 s on an H200); ZeRO-0 cases and PPO's ZeRO-3 have not run the loop."""
     # GRPO's ZeRO-3 ran the loop with its cache given back only
-    grpo_zero3 = cfg.zero.stage == 3 and not cfg.needs_critic and cfg.rollout.release_kv_cache
+    grpo_zero3 = cfg.zero.stage == 3 and not cfg.needs_critic and kv_cache_released(cfg)
     stage = cfg.zero.stage in (1, 2) or grpo_zero3
     return (stage and not replica_parks(cfg) and cfg.rollout.decode_attention != "sdpa"
             and _decode_kernels_fit(cfg.model.path, cfg.model.precision(True)))
@@ -679,11 +702,11 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     GPU through training (results/reference/h200x2-one-width-20261127); since the loop prefills each distinct prompt once
     and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
     and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). With the cache given back,
-    2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.9 GB in use, where holding it had taken 2.17 s at 33.3 GB on another
+    2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.9 GB in use, where holding it had taken 2.17 s at 33.4 GB on another
     2 x H100 host (results/reference/released-cache-20261128, shared-prefix-20261128). Elsewhere vLLM."""
     r = cfg.rollout
     rows = cfg.batch_plan().sequences_per_rank
-    sized = (rows <= GRAPH_LOOP_ROWS if cfg.needs_critic else r.release_kv_cache and rows <= GRAPH_LOOP_RELEASED_ROWS)
+    sized = rows <= GRAPH_LOOP_ROWS if cfg.needs_critic else rows <= GRAPH_LOOP_RELEASED_ROWS and kv_cache_released(cfg)
     return (sized and r.cuda_graph and graph_loop_measured(cfg) and r.tensor_parallel_size == 1 and not r.log_probs
             and not r.enforce_eager)
 

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from zbench.analyze.memory import BYTES_PER_PARAM, GIB, estimate_case
 from zbench.analyze.model_size import model_config
-from zbench.config import RunConfig, rollout_engine, with_overrides
+from zbench.config import RunConfig, kv_cache_released, rollout_engine, with_overrides
 from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
 from zbench.engine.lm_head import DEFAULT_CHUNK_TOKENS
 
@@ -149,7 +149,7 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     if rollout_engine(cfg, on_cuda) == "hf-graph":
         width = aligned(cfg.data.max_prompt_length, PROMPT_WIDTH_MULTIPLE) + cfg.rollout.max_new_tokens
         loop_kv = cfg.batch_plan().sequences_per_rank * width * 2 * d.num_layers * d.num_kv_heads * d.head_dim * p
-        if cfg.rollout.release_kv_cache:  # given back after each rollout, as a sleeping vLLM's
+        if kv_cache_released(cfg):  # given back after each rollout, as a sleeping vLLM's
             kv = loop_kv
         else:
             held = loop_kv

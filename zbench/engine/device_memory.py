@@ -18,6 +18,7 @@ before each rollout).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import weakref
@@ -138,12 +139,13 @@ class _Interface:
                                          "version": 3, "strides": None}
 
 
-def _free(address: int, size: int, handle: list[int | None]) -> None:
+def _free(address: int, size: int, handle: list[int | None], device: torch.device) -> None:
     lib = _driver()
     if lib is None:
         return
     if handle[0] is not None:
-        torch.cuda.synchronize()  # no queued kernel may still touch the pages
+        with contextlib.suppress(Exception):  # a device in error still gets its pages and range back
+            torch.cuda.synchronize(device)  # no queued kernel may still touch the pages
         lib.cuMemUnmap(address, size)
         lib.cuMemRelease(handle[0])
         handle[0] = None
@@ -177,7 +179,7 @@ class ReleasableMemory:
         self.address = address.value
         self._handle: list[int | None] = [None]  # the physical allocation mapped now, shared with the finalizer
         interface = _Interface(self.address, nbytes)
-        weakref.finalize(interface, _free, self.address, self.size, self._handle).atexit = False
+        weakref.finalize(interface, _free, self.address, self.size, self._handle, self.device).atexit = False
         self.restore()
         self.tensor = torch.as_tensor(interface, device=self.device)
         if self.tensor.data_ptr() != self.address:

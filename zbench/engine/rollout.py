@@ -195,7 +195,7 @@ class LoopState:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
-def _plain_static_layers(config: Any) -> bool:
+def plain_static_layers(config: Any) -> bool:
     """Whether transformers' static cache for this model is all plain `StaticLayer`s (no sliding window, indexer
     keys or recurrent state), whose keys and values `GraphDecoder` can place itself."""
     from transformers import StaticCache
@@ -247,7 +247,7 @@ class GraphDecoder:
         self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
         # the cache's pages given back and mapped again at the same addresses (else, released, the cache is dropped)
         self.cache_at_fixed_addresses = (release_cache and compile and device_memory.available(device)
-                                         and _plain_static_layers(model.config))
+                                         and plain_static_layers(model.config))
         # a recorded step over a cache dropped and allocated anew would record again each rollout: it holds it
         self.release_cache = release_cache and (not compile or self.cache_at_fixed_addresses)
         if release_cache and not self.release_cache:
