@@ -1,6 +1,7 @@
 """The hf rollout's own decode loop (`GraphDecoder`) against transformers `generate`, and its sampler."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -313,6 +314,58 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
     shared = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
     assert torch.equal(shared.generate(ids, mask, **kwargs), sdpa)
     assert shared.shared_prefix == (4, ids.shape[1])
+
+
+class HostReleasableMemory:
+    """`device_memory.ReleasableMemory` on the host, for the placement of the loop's cache where the CPU has no
+    virtual memory management: one buffer at one address, whose `release` leaves NaN behind (what the pages mapped
+    again may hold) and whose `restore` keeps it."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.address, self.nbytes, self.held = self.tensor.data_ptr(), nbytes, True
+
+    def release(self) -> None:
+        self.tensor.view(torch.float32).fill_(float("nan"))
+        self.held = False
+
+    def restore(self) -> None:
+        self.held = True
+
+
+def test_the_loop_places_its_cache_in_one_releasable_range_and_samples_as_one_that_holds_it(tiny, monkeypatch):
+    """The loop's placement of every layer's keys and values in one releasable range (what runs on CUDA, here over
+    host memory): each layer's tensors shaped as transformers' own, disjoint, inside the range, at the same addresses
+    each rollout; whatever the released range holds when mapped again, the rollouts are those of a loop that holds
+    its cache, seed for seed."""
+    from zbench.engine import device_memory
+
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    monkeypatch.setattr(device_memory, "ReleasableMemory", HostReleasableMemory)
+    kwargs = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids}
+    held = GraphDecoder(copy.deepcopy(model), compile=False)
+    placed = GraphDecoder(copy.deepcopy(model), compile=False, release_cache=True)
+    placed.cache_at_fixed_addresses = True  # as on CUDA, where the device maps memory at fixed addresses
+    addresses = None
+    for seed in (1, 2, 1):
+        expected = held.generate(input_ids, mask, generator=torch.Generator().manual_seed(seed), **kwargs)
+        got = placed.generate(input_ids, mask, generator=torch.Generator().manual_seed(seed), **kwargs)
+        assert torch.equal(got, expected), seed
+        memory, own = placed._cache_memory, held._cache_slot[1].layers
+        layers = placed._cache_slot[1].layers
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                       for layer in layers for t in (layer.keys, layer.values))
+        assert spans[0][0] == memory.address and spans[-1][1] == memory.address + memory.nbytes
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # disjoint, back to back
+        for mine, theirs in zip(layers, own, strict=True):
+            assert mine.keys.shape == theirs.keys.shape and mine.values.dtype == theirs.values.dtype
+            assert (mine.batch_size, mine.num_heads, mine.k_head_dim, mine.v_head_dim) == (
+                theirs.batch_size, theirs.num_heads, theirs.k_head_dim, theirs.v_head_dim)
+        assert addresses in (None, spans)
+        addresses = spans
+        placed.free_cache()
+        assert not memory.held and placed._cache_slot is not None  # pages released, the cache and its graphs kept
+        assert layers[0].keys.isnan().all()
 
 
 def test_the_eager_loop_drops_its_cache_after_each_rollout_and_samples_as_one_that_holds_it(tiny):
