@@ -246,13 +246,13 @@ class GraphDecoder:
         self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
         self._cache_slot: tuple[tuple[int, ...], Any, torch.Tensor, LoopState] | None = None
         # the cache's pages given back and mapped again at the same addresses (else, released, the cache is dropped)
-        self.cache_at_fixed_addresses = (release_cache and compile and device_memory.available(device)
-                                         and plain_static_layers(model.config))
+        maps = release_cache and compile and device_memory.available(device)
+        self.cache_at_fixed_addresses = maps and plain_static_layers(model.config)
         # a recorded step over a cache dropped and allocated anew would record again each rollout: it holds it
         self.release_cache = release_cache and (not compile or self.cache_at_fixed_addresses)
         if release_cache and not self.release_cache:
             why = ("its device cannot map memory at fixed addresses (zbench.engine.device_memory.available)"
-                   if not device_memory.available(device) else
+                   if not maps else
                    "its model's static cache is not all transformers' plain StaticLayer (a sliding window, indexer "
                    "keys, a recurrent state)")
             print(f"[zbench] warning: rollout.release_kv_cache: the graph loop holds its KV cache through training, "
