@@ -25,7 +25,7 @@ import time
 import torch
 from vllm_profile import kernel_table, step_prompts  # this script's folder; imports no vLLM
 
-from zbench.engine.rollout import DECODE_ATTENTION
+from zbench.engine.rollout import COMPILE_MODES, DECODE_ATTENTION
 
 
 def main() -> None:
@@ -61,6 +61,10 @@ def main() -> None:
                         help="with --data and --n > 1: the Triton attention reads each prompt's part of the cache once "
                              "for its n samples (GraphDecoder's default, told the rows' n), or once a row (each "
                              "measured in turn, on a fresh copy of the model)")
+    parser.add_argument("--compile-mode", nargs="+", default=["reduce-overhead"], choices=COMPILE_MODES,
+                        help="how the decode step is compiled (GraphDecoder's compile_mode; each measured in turn, on a "
+                             "fresh copy of the model): recorded as a CUDA graph, and with max-autotune its matrix "
+                             "multiplies timed among Triton's templates and cuBLAS while compiling")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
@@ -102,10 +106,12 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share in itertools.product(args.attention, args.merge, args.sampler, args.share):
+    for attention, merge, sampler, share, mode in itertools.product(args.attention, args.merge, args.sampler,
+                                                                    args.share, args.compile_mode):
         samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
-                             attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph")
+                             attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
+                             compile_mode=mode)
         for ids, mask in batches:
             batch, width = ids.shape
 
@@ -123,7 +129,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
             times = [rollout(1 + i) for i in range(args.repeats)]
-            row = base | {"attention": attention, "merged_projections": graph.merged_projections,
+            row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}

@@ -58,6 +58,14 @@ def tiny(tiny_loaded):
     return copy.deepcopy(model), *rest
 
 
+def test_an_unknown_compile_mode_is_refused_before_the_model_is_touched(tiny):
+    model = tiny[0]
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="compile_mode 'max_autotune': one of reduce-overhead, max-autotune"):
+        GraphDecoder(model, compile=False, compile_mode="max_autotune")
+    assert model.model.layers[0].self_attn.q_proj is q_proj  # projections not merged, attention not switched
+
+
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
     model, pad_id, eos_ids, input_ids, mask = tiny
     assert (mask == 0).any()

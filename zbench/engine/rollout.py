@@ -205,6 +205,11 @@ def plain_static_layers(config: Any) -> bool:
     return bool(layers) and all(type(layer) is StaticLayer for layer in layers)
 
 
+# how the decode step is compiled: both record it as a CUDA graph; max-autotune also times Triton's matrix-multiply
+# templates against cuBLAS for each of the step's shapes (and tunes its other kernels) while it compiles
+COMPILE_MODES = ("reduce-overhead", "max-autotune")
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
@@ -215,7 +220,8 @@ class GraphDecoder:
     (`_step`, `race_sampling`), so a token costs the host one graph replay; otherwise sampling runs between replays
     on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
     `sync_every` tokens. With `compile=False` (CPU) the same loop runs eagerly, which is how it is tested against
-    `generate`.
+    `generate`. `compile_mode` max-autotune (`COMPILE_MODES`) was slower at GRPO's 128 rows on an H200: 1.83 against
+    1.70 s a rollout, Triton's matrix-multiply templates slower than cuBLAS's (results/reference/h200x2-final-20261128).
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
     prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple
@@ -229,8 +235,12 @@ class GraphDecoder:
     """
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
-                 merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False):
+                 merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False,
+                 compile_mode: str = "reduce-overhead"):
         from zbench.engine.merged_projections import merge_projections
+
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
 
         use_gqa_decode_attention(model, attention)
         self.attention = attention
@@ -265,8 +275,8 @@ class GraphDecoder:
         self._decode = self._forward
         self._decode_and_draw = self._step
         if compile:
-            self._decode = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
-            self._decode_and_draw = torch.compile(self._step, mode="reduce-overhead", dynamic=False)
+            self._decode = torch.compile(self._forward, mode=compile_mode, dynamic=False)
+            self._decode_and_draw = torch.compile(self._step, mode=compile_mode, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
                  shared: tuple[int, int] = (1, 0)) -> torch.Tensor:
