@@ -242,7 +242,8 @@ def estimate(
                "logits (upper bound: full-length sequences); KV = the rollout's cache (vLLM's, or the hf graph loop's); "
                "critic = PPO's critic's largest pass, which its process keeps cached on a GPU while the actor trains "
                "and vLLM generates; peak = states + critic + the larger of passes and KV (vLLM sleeps, its cache "
-               "released, while the model trains; the graph loop's cache stays: it adds to the peak; on CPU: the "
+               "released, while the model trains; the graph loop's cache likewise with rollout.release_kv_cache, else it "
+               "stays and adds to the peak; on CPU: the "
                "host, every rank, the critic's passes counted among the passes). "
                "precision as the engine trains (model.dtype auto: bf16 on CUDA, fp32 on CPU)")
     if any(cuda for _, _, cuda, _ in rows):

@@ -669,7 +669,8 @@ def kv_cache_released(cfg: RunConfig) -> bool:
 def graph_loop_measured(cfg: RunConfig) -> bool:
     """Where the hf backend's CUDA-graph decode loop has run inside cases on a GPU in the form that makes it fast,
     which is where it is a GPU default: ZeRO-1/2, and ZeRO-3 without a critic (GRPO's ZeRO-3 at the reference config
-    on 2 x H100: 3.64 s a step, 1.09x its ZeRO-2, results/reference/released-cache-20261128); its replica on the GPU
+    on 2 x H100: 3.64 s a step, 1.09x its ZeRO-2, results/reference/released-cache-20261128; on 2 x H200 3.13 s,
+    1.05x, results/reference/h200x2-final-20261128); its replica on the GPU
     (no optimizer offload: `replica_parks`), and the Triton decode attention (`rollout.decode_attention` not sdpa, a
     model whose attention the kernels compute). With SDPA every new prompt width records the decode step again
     (13-43 s on an H200); ZeRO-0 cases and PPO's ZeRO-3 have not run the loop."""
@@ -690,8 +691,9 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
 
     GRPO's reference config (128 rows a GPU) on 2 x H100 with the cache given back: 3.36 s a step at ZeRO-2 (rollout
     2.04 s, of which 0.02 s mapping the cache again and 0.01 s releasing it) and 3.64 s at ZeRO-3, at 24.7 and 24.6 GB
-    in use at the peak (results/reference/released-cache-20261128); GRPO's ZeRO-1, whose rollout is ZeRO-2's, was not
-    run with it. vLLM was not run on that host; on 2 x H100 three days before
+    in use at the peak (results/reference/released-cache-20261128); on one 2 x H200 host 2.98 and 3.13 s (rollout
+    1.80 s) at 24.4 GB (results/reference/h200x2-final-20261128); GRPO's ZeRO-1, whose rollout is ZeRO-2's, was not
+    run with it. vLLM was not run on those hosts; on 2 x H100 three days before
     it took 4.56 and 4.42 s (rollout 3.09 and 2.94 s) at 25.8 and 26.3 GB (results/reference/h100x2-20261125), and on
     2 x H200 3.29-3.87 s at ZeRO-2. Alone on one H200, at these 128 rows (32 prompts x 4), the loop's rollout took
     1.84 s, reading each prompt's keys once for its samples, against vLLM's 1.96-2.14 s on the fastest host measured
@@ -703,7 +705,8 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     and draws inside its recorded step, 1.90 s (ZeRO-2, against 2.02 s for the loop before, back to back on one host)
     and 1.97 s (ZeRO-1) with `auto` itself (results/reference/h200-prefill-20261127). With the cache given back,
     2.17 and 2.15 s (ZeRO-1/2, 2 x H100) at 29.9 GB in use, where holding it had taken 2.17 s at 33.4 GB on another
-    2 x H100 host (results/reference/released-cache-20261128, shared-prefix-20261128). Elsewhere vLLM."""
+    2 x H100 host (results/reference/released-cache-20261128, shared-prefix-20261128); on 2 x H200, 1.99 and 1.97 s
+    at 29.2 and 29.0 GB (results/reference/h200x2-final-20261128). Elsewhere vLLM."""
     r = cfg.rollout
     rows = cfg.batch_plan().sequences_per_rank
     sized = rows <= GRAPH_LOOP_ROWS if cfg.needs_critic else rows <= GRAPH_LOOP_RELEASED_ROWS and kv_cache_released(cfg)
