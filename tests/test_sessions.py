@@ -24,6 +24,7 @@ from test_old_log_prob import _batch, _cfg
 from zbench import procs
 from zbench.config import from_dict, trial_differences
 from zbench.engine.cluster import free_port
+from zbench.engine.workers import PolicyWorker
 from zbench.harness.launch import LaunchOptions, run_cases
 from zbench.harness.sessions import TrialServer
 from zbench.models import resolve_model
@@ -92,6 +93,79 @@ def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one(sta
     worker.update_actor(batch)
     assert _CompiledOnCpu.graphs == seen
     torch._dynamo.reset()
+
+
+def _trial_objects(worker: PolicyWorker) -> dict[str, weakref.ref]:
+    """Weak references to what a trial's actor holds (engine, model, ZeRO optimizer and the optimizer it wraps,
+    every parameter and its partition) and to its reference, by name."""
+    engine = worker.engine
+    held: dict[str, object] = {"engine": engine, "model": engine.module, "optimizer": engine.optimizer,
+                               "inner optimizer": engine.optimizer.optimizer, "reference": worker.ref}
+    for name, p in engine.module.named_parameters():
+        held[f"parameter {name}"] = p
+        held[f"partition of {name}"] = p.ds_tensor
+    return {name: weakref.ref(obj) for name, obj in held.items()}
+
+
+def test_a_checkpointed_zero3_trial_is_freed_by_reconfigure():
+    """ZeRO-3 with activation checkpointing: the backward's recomputation of a checkpointed layer stops at its last
+    saved tensor, inside a module's forward, so DeepSpeed's post-forward hook never takes that module off its
+    module-level stack (`parameter_offload.FWD_MODULE_STACK`), and each such module kept its whole engine alive,
+    optimizer states and gradients included, into every later trial of the session. After `reconfigure` nothing
+    of the trial before is alive, and the stack holds only the models the worker holds, trial after trial."""
+    from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
+
+    earlier = list(FWD_MODULE_STACK)  # the models of engines an earlier test of this process built
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
+    cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
+    worker = PolicyWorker(cfg, 0, 1, case_dir, model_path)
+    worker.join("127.0.0.1", free_port())
+    worker.setup()
+    batch = _batch(pad_id=0)
+    for _ in range(2):
+        worker.update_actor(batch)
+        worker.memory()  # the first report freezes the heap, as in a case
+        before = _trial_objects(worker)
+        worker.reconfigure(cfg, case_dir)
+        gc.collect()
+        assert [name for name, ref in before.items() if ref() is not None] == [], "alive after reconfigure"
+        ours = [id(m) for m in FWD_MODULE_STACK if not any(m is e for e in earlier)]  # ids: nothing kept alive
+        assert ours == [id(worker.engine.module), id(worker.ref.module)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled layers run on CUDA only")
+@pytest.mark.parametrize("compile_layers", ["always", "never"])
+def test_reconfigure_gives_a_checkpointed_zero3_trials_gpu_memory_back(compile_layers: str):
+    """ZeRO-3 on CUDA with activation checkpointing, layers compiled (leaf modules, as `zbench tune`'s trials run
+    there) and eager (a DeepSpeed hook on every projection): after `release` nothing of the trial is alive, and the
+    memory allocated returns to where it was before the trial built its models, short of half its Adam states (what
+    the first trial leaves for good stays in that level: the rollout replica, the libraries' workspaces)."""
+    model_path = str(resolve_model("tiny"))
+    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
+    cfg = from_dict(_cfg(trainer={"device": "cuda"}, zero={"stage": 3},
+                         model={"gradient_checkpointing": True, "compile_layers": compile_layers}))
+    worker = PolicyWorker(cfg, 0, 1, case_dir, model_path)
+    worker.join("127.0.0.1", free_port())
+    worker.setup()
+    batch = _batch(pad_id=0)
+    worker.update_actor(batch)
+    worker.memory()
+    worker.release()
+    level = torch.cuda.memory_allocated()
+    for _ in range(2):
+        compiled = worker.reconfigure(cfg, case_dir)["compiled_layers"]
+        assert compiled == (len(worker.engine.module.model.layers) if compile_layers == "always" else 0)
+        worker.update_actor(batch)
+        worker.memory()
+        adam = sum(t.numel() * t.element_size() for state in worker.engine.optimizer.optimizer.state.values()
+                   for t in state.values() if torch.is_tensor(t))  # what a kept engine would hold at least
+        before = _trial_objects(worker)
+        worker.release()
+        gc.collect()
+        assert [name for name, ref in before.items() if ref() is not None] == [], "alive after release"
+        assert adam > 0 and torch.cuda.memory_allocated() - level < adam / 2, "the trial's memory was not given back"
 
 
 def test_failed_trials_end_their_session_and_the_next_trial_gets_a_new_one(tmp_path: Path):

@@ -65,16 +65,26 @@ def skip_zero3_param_ids(guards: Any) -> list[bool]:
 
 
 def _forget_zero3_module(module: torch.nn.Module) -> None:
-    """ZeRO-3 keeps every engine's model reachable from module-level state that nothing clears: a stack of models
+    """ZeRO-3 keeps every engine's model reachable from module-level state that nothing clears: a stack of modules
     (`parameter_offload.FWD_MODULE_STACK`) and the parameter coordinator's memoized release sets, a class-level
     cache keyed by the model's submodules. An engine dropped in a process that goes on would keep its parameters'
-    partitions (and, through the hooks, its optimizer) alive. Take the model off the stack and empty the caches
-    (memos: the engines still alive compute theirs again)."""
+    partitions and, through them (`_z3_optimizer`) and its backward hooks, its optimizer and gradients alive. Take
+    the model and every one of its submodules off the stack and empty the caches (memos: the engines still alive
+    compute theirs again).
+
+    Submodules are left on the stack by activation checkpointing: the stack is pushed by each module's pre-forward
+    hook and popped by its post-forward hook, and the backward's recomputation of a checkpointed layer stops at its
+    last saved tensor (torch.utils.checkpoint's early stop, `use_reentrant=False`) by raising inside the forward, so
+    the modules whose forward it was in are never popped: the decoder layer itself where transformers checkpoints
+    the layer's call (5.17; ZeRO-3 leaf layers, `model.compile_layers`), its MLP and last projection where it
+    checkpoints the layer's forward (5.24), one entry per recomputed layer and micro-batch. Each keeps, through its
+    parameters, the whole engine alive."""
     from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
 
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
     if isinstance(stack, list):
-        stack[:] = [m for m in stack if m is not module]
+        mine = {id(m) for m in module.modules()}
+        stack[:] = [m for m in stack if id(m) not in mine]
     coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", None)
     for attr in vars(coordinator).values() if coordinator is not None else ():
         # the memo may sit inside a wrapper (DeepSpeed's NVTX instrumentation): look in its closure too
