@@ -22,7 +22,7 @@ from test_compile_layers import _CompiledOnCpu
 from test_old_log_prob import _batch, _cfg
 
 from zbench import procs
-from zbench.config import from_dict, trial_differences
+from zbench.config import RunConfig, from_dict, trial_differences
 from zbench.engine.cluster import free_port
 from zbench.engine.workers import PolicyWorker
 from zbench.harness.launch import LaunchOptions, run_cases
@@ -95,6 +95,15 @@ def test_a_reconfigured_worker_frees_its_old_models_and_updates_as_a_new_one(sta
     torch._dynamo.reset()
 
 
+def _set_up_worker(cfg: RunConfig) -> tuple[PolicyWorker, str]:
+    """A one-rank policy worker of `cfg` on the tiny model, joined and set up, and its case folder."""
+    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
+    worker = PolicyWorker(cfg, 0, 1, case_dir, str(resolve_model("tiny")))
+    worker.join("127.0.0.1", free_port())
+    worker.setup()
+    return worker, case_dir
+
+
 def _trial_objects(worker: PolicyWorker) -> dict[str, weakref.ref]:
     """Weak references to what a trial's actor holds (engine, model, ZeRO optimizer and the optimizer it wraps,
     every parameter and its partition) and to its reference, by name."""
@@ -116,12 +125,8 @@ def test_a_checkpointed_zero3_trial_is_freed_by_reconfigure():
     from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
 
     earlier = list(FWD_MODULE_STACK)  # the models of engines an earlier test of this process built
-    model_path = str(resolve_model("tiny"))
-    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
     cfg = from_dict(_cfg(zero={"stage": 3}, model={"gradient_checkpointing": True}))
-    worker = PolicyWorker(cfg, 0, 1, case_dir, model_path)
-    worker.join("127.0.0.1", free_port())
-    worker.setup()
+    worker, case_dir = _set_up_worker(cfg)
     batch = _batch(pad_id=0)
     for _ in range(2):
         worker.update_actor(batch)
@@ -142,13 +147,9 @@ def test_reconfigure_gives_a_checkpointed_zero3_trials_gpu_memory_back(compile_l
     there) and eager (a DeepSpeed hook on every projection): after `release` nothing of the trial is alive, and the
     memory allocated returns to where it was before the trial built its models, short of half its Adam states (what
     the first trial leaves for good stays in that level: the rollout replica, the libraries' workspaces)."""
-    model_path = str(resolve_model("tiny"))
-    case_dir = tempfile.mkdtemp(prefix="zbench-reconf-")
     cfg = from_dict(_cfg(trainer={"device": "cuda"}, zero={"stage": 3},
                          model={"gradient_checkpointing": True, "compile_layers": compile_layers}))
-    worker = PolicyWorker(cfg, 0, 1, case_dir, model_path)
-    worker.join("127.0.0.1", free_port())
-    worker.setup()
+    worker, case_dir = _set_up_worker(cfg)
     batch = _batch(pad_id=0)
     worker.update_actor(batch)
     worker.memory()
