@@ -60,10 +60,11 @@ def tiny(tiny_loaded):
 
 def test_an_unknown_compile_mode_is_refused_before_the_model_is_touched(tiny):
     model = tiny[0]
-    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj, attention = model.model.layers[0].self_attn.q_proj, model.config._attn_implementation
     with pytest.raises(ValueError, match="compile_mode 'max_autotune': one of reduce-overhead, max-autotune"):
-        GraphDecoder(model, compile=False, compile_mode="max_autotune")
-    assert model.model.layers[0].self_attn.q_proj is q_proj  # projections not merged, attention not switched
+        GraphDecoder(model, compile=False, compile_mode="max_autotune", attention="triton")
+    assert model.model.layers[0].self_attn.q_proj is q_proj  # projections not merged
+    assert model.config._attn_implementation == attention  # attention not switched
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):

@@ -137,6 +137,7 @@ def test_a_checkpointed_zero3_trial_is_freed_by_reconfigure():
         assert [name for name, ref in before.items() if ref() is not None] == [], "alive after reconfigure"
         ours = [id(m) for m in FWD_MODULE_STACK if not any(m is e for e in earlier)]  # ids: nothing kept alive
         assert ours == [id(worker.engine.module), id(worker.ref.module)]
+    worker.release()  # later tests of this process find no engine of this one on the stack
 
 
 @pytest.mark.gpu

@@ -221,7 +221,8 @@ class GraphDecoder:
     on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
     `sync_every` tokens. With `compile=False` (CPU) the same loop runs eagerly, which is how it is tested against
     `generate`. `compile_mode` max-autotune (`COMPILE_MODES`) was slower at GRPO's 128 rows on an H200: 1.83 against
-    1.70 s a rollout, Triton's matrix-multiply templates slower than cuBLAS's (results/reference/h200x2-final-20261128).
+    1.70 s a rollout, its kernels 0.13 s slower in all, of which its matrix-multiply templates about 0.04 s
+    (results/reference/h200x2-final-20261128).
 
     Prompts arrive left-padded; the cache length is the prompt width plus `max_new_tokens`, so callers should pad
     prompt widths to one width (`HFRollout` does, see `one_prompt_width`) or a few buckets (the trainer's multiple

@@ -77,8 +77,9 @@ def _forget_zero3_module(module: torch.nn.Module) -> None:
     last saved tensor (torch.utils.checkpoint's early stop, `use_reentrant=False`) by raising inside the forward, so
     the modules whose forward it was in are never popped: the decoder layer itself where transformers checkpoints
     the layer's call (5.17; ZeRO-3 leaf layers, `model.compile_layers`), its MLP and last projection where it
-    checkpoints the layer's forward (5.24), one entry per recomputed layer and micro-batch. Each keeps, through its
-    parameters, the whole engine alive."""
+    checkpoints the layer's forward (5.24): one or two entries per recomputed layer and micro-batch, which pile up
+    through a case (harmless while their engine lives) until its release. Each keeps, through its parameters, the
+    whole engine alive."""
     from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
 
     stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)

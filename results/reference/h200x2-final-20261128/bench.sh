@@ -3,7 +3,8 @@
 # its decode step compiled with reduce-overhead, then with max-autotune, on GPU 1; meanwhile the GPU-marked tests of
 # the loop over released memory on GPU 0 (released-cache-20261128/check.sh). From the project root, with
 # data/gsm8k/train.parquet (`zbench data gsm8k`):
-#   bash results/reference/h200x2-final-20261128/bench.sh   -> $OUT/autotune.jsonl, bench.log, check-tests.txt
+#   bash results/reference/h200x2-final-20261128/bench.sh   -> $OUT/autotune.jsonl, bench.log, host.txt, check.log,
+#                                                              check-tests.txt, gpu-check.txt
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
