@@ -24,10 +24,11 @@ from test_old_log_prob import _batch, _cfg
 from zbench import procs
 from zbench.config import RunConfig, from_dict, trial_differences
 from zbench.engine.cluster import free_port
-from zbench.engine.workers import PolicyWorker
-from zbench.harness.launch import LaunchOptions, run_cases
+from zbench.engine.workers import PolicyWorker, carried_models
+from zbench.harness.launch import LaunchOptions, carried_warning, run_cases
 from zbench.harness.sessions import TrialServer
 from zbench.models import resolve_model
+from zbench.procs import CARRIED_WARNING
 from zbench.runroot import casedir
 from zbench.runroot.root import RunRoot
 
@@ -138,6 +139,27 @@ def test_a_checkpointed_zero3_trial_is_freed_by_reconfigure():
         ours = [id(m) for m in FWD_MODULE_STACK if not any(m is e for e in earlier)]  # ids: nothing kept alive
         assert ours == [id(worker.engine.module), id(worker.ref.module)]
     worker.release()  # later tests of this process find no engine of this one on the stack
+
+
+def test_a_model_held_past_its_release_marks_every_later_trial_until_it_goes(capfd: pytest.CaptureFixture[str]):
+    """Something outside the worker holding a released model (standing in for any leak) keeps its memory in the
+    process: each later trial's release says so, in the line the launcher turns into that trial's warning, until the
+    model goes; a clean release says nothing."""
+    cfg = from_dict(_cfg(zero={"stage": 2}))
+    worker, case_dir = _set_up_worker(cfg)
+    assert carried_models() == [], "a model released by an earlier test of this process is still alive"
+    held = worker.engine.module
+    worker.reconfigure(cfg, case_dir)
+    worker.reconfigure(cfg, case_dir)  # the next trial too: the model is still there
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if CARRIED_WARNING in ln]
+    assert len(lines) == 2 and all("actor rank 0: 1 model(s), Qwen" in ln for ln in lines), lines
+    warning = carried_warning("\n".join(lines))
+    assert warning is not None and warning.startswith(CARRIED_WARNING) and "B of parameters" in warning
+    assert warning.endswith("its memory figures include theirs and overstate this geometry's")
+    del held
+    worker.reconfigure(cfg, case_dir)
+    assert CARRIED_WARNING not in capfd.readouterr().out and carried_models() == []
+    worker.release()
 
 
 @pytest.mark.gpu

@@ -150,6 +150,10 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
     return len(found)
 
 
+# How the warning begins that a worker prints when models it released live on in its process
+# (`zbench.engine.workers.Worker.release`); the launcher turns the line into the case's warning
+CARRIED_WARNING = "models of an earlier trial are still alive in this process"
+
 # How an out-of-memory failure reads in a log or an error: CUDA's and torch's, the host allocator's, Python's, and
 # Ray's memory monitor killing a worker
 OOM_PATTERNS = re.compile(

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import StepProfiler
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
-from zbench.procs import PROCESS_DIR_ENV
+from zbench.procs import CARRIED_WARNING, PROCESS_DIR_ENV
 from zbench.stacks import enable_stack_dumps
 
 
@@ -62,6 +63,33 @@ def skip_zero3_param_ids(guards: Any) -> list[bool]:
     recompile limit, and the layers past it run eager. The number is an identity and never enters the
     computation; the guards on the tensors' shapes, dtypes and the parameters' gather status stay."""
     return [not entry.name.endswith(".ds_id") for entry in guards]
+
+
+# weak references to the models this process released, for as long as any of them lives on
+_RELEASED: list[weakref.ref] = []
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of `model`'s parameters as this process holds them: a ZeRO-3 parameter's partition, else the whole."""
+    return sum((t := getattr(p, "ds_tensor", p)).numel() * t.element_size() for p in model.parameters())
+
+
+def carried_models() -> list[torch.nn.Module]:
+    """The models this process released (`Worker.release`) that something still holds, with their memory."""
+    _RELEASED[:] = [r for r in _RELEASED if r() is not None]
+    return [m for r in _RELEASED if (m := r()) is not None]
+
+
+def report_carried(role: str, rank: int) -> None:
+    """Print `CARRIED_WARNING` with what is held, where models this process released are still alive."""
+    carried = carried_models()
+    if carried:
+        held = sum(_parameter_bytes(m) for m in carried)
+        size = f"{held / 2**30:.2f} GB" if held >= 2**30 else f"{held / 2**20:.1f} MB"
+        kinds = ", ".join(sorted({type(m).__name__ for m in carried}))
+        print(f"[zbench] warning: {CARRIED_WARNING} ({role} rank {rank}: {len(carried)} model(s), {kinds}, {size} of "
+              "parameters, with whatever they hold: optimizer states, gradients); this trial's memory figures include "
+              "them", flush=True)
 
 
 def _forget_zero3_module(module: torch.nn.Module) -> None:
@@ -201,9 +229,15 @@ class _Worker:
     def release(self) -> None:
         """Drop the models `setup` built and give their memory back (device and host), for the next trial
         (`reconfigure`). Every worker of a session releases before any rebuilds, so no rebuild runs beside
-        another process's previous models."""
+        another process's previous models.
+
+        Afterwards it checks that the models it dropped are gone: one still held (a reference it did not know of)
+        keeps its memory, which every later trial of this process would measure as its own. It then prints
+        `CARRIED_WARNING` with what is held, each trial until those models go, so the launcher marks those trials."""
         for name in self.models:
             model = getattr(self, name, None)
+            if model is not None:
+                _RELEASED.append(weakref.ref(getattr(model, "module", model)))
             setattr(self, name, None)
             if model is not None and hasattr(model, "destroy"):  # a DeepSpeed engine: its hooks and buffers
                 model.destroy()
@@ -213,6 +247,7 @@ class _Worker:
         self.heap_frozen = 0
         if self.on_cuda:
             torch.cuda.empty_cache()
+        report_carried(self.role, self.rank)
 
     def reconfigure(self, cfg: RunConfig, case_dir: str) -> dict[str, Any]:
         """Become the worker of `cfg`, a trial of the same case at another batch geometry, whose folder is

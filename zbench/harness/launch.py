@@ -31,7 +31,7 @@ import psutil
 from zbench import procs, stacks
 from zbench.config import RunConfig, dump_yaml
 from zbench.harness.runner_profile import RunnerProfile
-from zbench.procs import OOM_PATTERNS
+from zbench.procs import CARRIED_WARNING, OOM_PATTERNS
 from zbench.runroot import casedir
 from zbench.runroot.casedir import RunRootError
 from zbench.runroot.root import RunRoot
@@ -49,6 +49,7 @@ TRANSIENT_PATTERNS = re.compile(
 # Dynamo's warning when a compiled function meets more variants than its limit: what it stopped compiling runs eager
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(?:accumulated_)?(?:recompile|cache_size)_limit[^\n]*")
 RECOMPILE_WARNING = "torch.compile hit its recompile limit"  # how the warning a case gets for it begins
+CARRIED = re.compile(re.escape(CARRIED_WARNING) + r" \((.*?)\); this trial")  # `Worker.release`'s line
 _TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
 
 
@@ -59,6 +60,17 @@ def recompile_warning(log_text: str) -> str | None:
         return None
     return (f"{RECOMPILE_WARNING} ({hit.group(0).strip()}, train.log): what it stopped compiling ran eager from "
             "then on, so this case's times are not those of its compiled path")
+def carried_warning(log_text: str) -> str | None:
+    """The warning a case gets when a worker of its process found, at the case's start, models of an earlier trial
+    still alive (`zbench.engine.workers.CARRIED_WARNING`: a trial served by a session's processes), or None: its
+    memory figures then include theirs."""
+    hit = CARRIED.search(log_text)
+    if hit is None:
+        return None
+    return f"{CARRIED_WARNING} ({hit.group(1)}, train.log): its memory figures include theirs and overstate this " \
+           "geometry's"
+
+
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
 EXCEPTION_LINE = re.compile(
     r"^(?:\([^)]*\)\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Died)\b.*)$"
@@ -341,8 +353,7 @@ def run_attempt(
     warnings: list[str] = []
     state, reason, retryable, config_error = _classify(cdir, watch, exit_code, log_text, warnings,
                                                        _oom_kills_since(kills_before))
-    if warning := recompile_warning(log_text):
-        warnings.append(warning)
+    warnings += [w for w in (recompile_warning(log_text), carried_warning(log_text)) if w]
     status.update(
         status=state, exit_code=exit_code, reason=" ".join(reason.split()), last_step=_last_step(cdir),
         ended_at=casedir.utc_now(), warnings=warnings,
