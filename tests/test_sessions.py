@@ -23,8 +23,9 @@ from test_old_log_prob import _batch, _cfg
 
 from zbench import procs
 from zbench.config import RunConfig, from_dict, trial_differences
+from zbench.engine import workers
 from zbench.engine.cluster import free_port
-from zbench.engine.workers import PolicyWorker, carried_models
+from zbench.engine.workers import PolicyWorker, carried_line
 from zbench.harness.launch import LaunchOptions, carried_warning, run_cases
 from zbench.harness.sessions import TrialServer
 from zbench.models import resolve_model
@@ -141,25 +142,29 @@ def test_a_checkpointed_zero3_trial_is_freed_by_reconfigure():
     worker.release()  # later tests of this process find no engine of this one on the stack
 
 
-def test_a_model_held_past_its_release_marks_every_later_trial_until_it_goes(capfd: pytest.CaptureFixture[str]):
+def test_a_model_held_past_its_release_is_reported_at_every_later_release_until_it_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Something outside the worker holding a released model (standing in for any leak) keeps its memory in the
-    process: each later trial's release says so, in the line the launcher turns into that trial's warning, until the
-    model goes; a clean release says nothing."""
+    process: each later release reports it, with its optimizer, in the words the trial's warning line and then the
+    launcher's warning carry, until the model goes; a clean release reports nothing."""
+    monkeypatch.setattr(workers, "_RELEASED", [])  # this test's releases only
     cfg = from_dict(_cfg(zero={"stage": 2}))
     worker, case_dir = _set_up_worker(cfg)
-    assert carried_models() == [], "a model released by an earlier test of this process is still alive"
-    held = worker.engine.module
+    assert worker.release() == ""
     worker.reconfigure(cfg, case_dir)
-    worker.reconfigure(cfg, case_dir)  # the next trial too: the model is still there
-    lines = [ln for ln in capfd.readouterr().out.splitlines() if CARRIED_WARNING in ln]
-    assert len(lines) == 2 and all("actor rank 0: 1 model(s), Qwen" in ln for ln in lines), lines
-    warning = carried_warning("\n".join(lines))
-    assert warning is not None and warning.startswith(CARRIED_WARNING) and "B of parameters" in warning
-    assert warning.endswith("its memory figures include theirs and overstate this geometry's")
+    held = worker.engine.module
+    reports = [worker.release()]
+    worker.reconfigure(cfg, case_dir)
+    reports.append(worker.release())  # the next trial's release: the model is still there
+    for report in reports:
+        assert report.startswith("actor rank 0: 1 DeepSpeedZeroOptimizer, 1 Qwen"), report
+        assert report.endswith(" MB of parameters"), report
+    warning = carried_warning(f"(PolicyWorker pid=1) {carried_line(reports[-1:])} [repeated 1x across cluster]\n")
+    assert warning == (f"{CARRIED_WARNING} (train.log: {reports[-1]}): its memory figures include theirs and "
+                       "overstate this geometry's")
     del held
     worker.reconfigure(cfg, case_dir)
-    assert CARRIED_WARNING not in capfd.readouterr().out and carried_models() == []
-    worker.release()
+    assert worker.release() == "" and workers.carried_objects() == []
 
 
 @pytest.mark.gpu

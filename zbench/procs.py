@@ -150,8 +150,8 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
     return len(found)
 
 
-# How the warning begins that a worker prints when models it released live on in its process
-# (`zbench.engine.workers.Worker.release`); the launcher turns the line into the case's warning
+# How the warning begins that a served trial prints when its processes still hold models of earlier trials
+# (`zbench.engine.workers.carried_line`); the launcher turns the line into the case's warning
 CARRIED_WARNING = "models of an earlier trial are still alive in this process"
 
 # How an out-of-memory failure reads in a log or an error: CUDA's and torch's, the host allocator's, Python's, and

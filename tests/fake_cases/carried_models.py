@@ -1,14 +1,11 @@
-"""A case served by a process that still holds a model an earlier trial released (something kept a reference):
-the real release check (`zbench.engine.workers.report_carried`) prints its warning; then every step, and exit 0."""
+"""A case served by processes that still hold models of earlier trials: the trial's warning line as
+`Trainer.retarget` prints it from two ranks' reports (`zbench.engine.workers.carried_line`); then every step, and
+exit 0."""
 
-import weakref
-
-import torch
 from _common import case_dir, run_all
 
-from zbench.engine import workers
+from zbench.engine.workers import carried_line
 
-kept = torch.nn.Linear(512, 1024)  # 2 MB of float32 parameters
-workers._RELEASED.append(weakref.ref(kept))  # as `Worker.release` records a model it drops
-workers.report_carried("actor", 0)
+print(carried_line(["actor rank 0: 1 DeepSpeedZeroOptimizer, 1 Qwen3ForCausalLM; 1.11 GB of parameters",
+                    "actor rank 1: 1 DeepSpeedZeroOptimizer, 1 Qwen3ForCausalLM; 1.11 GB of parameters"]), flush=True)
 run_all(case_dir())

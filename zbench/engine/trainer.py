@@ -578,8 +578,14 @@ class Trainer:
         self.started = time.time()
         self.records.beat()
         groups = [g for g in (self.policy, self.critic) if g is not None]
-        for group in groups:  # all released before any rebuilds, as a new process starts with nothing
-            group.call("release")
+        # all released before any rebuilds, as a new process starts with nothing; what any process still holds of
+        # its models of earlier trials counts in this trial's memory: the trial's log and result say so
+        from zbench.engine.workers import carried_line
+
+        carried = [report for group in groups for report in group.call("release") if report]
+        self.info["carried_from_earlier_trials"] = carried
+        if carried:
+            print(carried_line(carried), flush=True)
         where = str(case_dir.resolve())
         self.info.update(self.policy.call("reconfigure", cfg, where)[0])
         self.records.beat()

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,31 +65,51 @@ def skip_zero3_param_ids(guards: Any) -> list[bool]:
     return [not entry.name.endswith(".ds_id") for entry in guards]
 
 
-# weak references to the models this process released, for as long as any of them lives on
+# weak references to the models (and their optimizers) this process released, for as long as any of them lives on
 _RELEASED: list[weakref.ref] = []
 
 
-def _parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of `model`'s parameters as this process holds them: a ZeRO-3 parameter's partition, else the whole."""
-    return sum((t := getattr(p, "ds_tensor", p)).numel() * t.element_size() for p in model.parameters())
+def _parameter_bytes(obj: Any) -> int:
+    """Bytes of a module's parameters as this process holds them (a ZeRO-3 parameter's partition, else the whole);
+    0 for anything else (an optimizer)."""
+    if not isinstance(obj, torch.nn.Module):
+        return 0
+    held = 0
+    for p in obj.parameters():
+        part = getattr(p, "ds_tensor", None)
+        t = p if part is None else part
+        held += t.numel() * t.element_size()
+    return held
 
 
-def carried_models() -> list[torch.nn.Module]:
-    """The models this process released (`Worker.release`) that something still holds, with their memory."""
+def carried_objects() -> list[Any]:
+    """The models and optimizers this process released (`_Worker.release`) that something still holds."""
     _RELEASED[:] = [r for r in _RELEASED if r() is not None]
     return [m for r in _RELEASED if (m := r()) is not None]
 
 
-def report_carried(role: str, rank: int) -> None:
-    """Print `CARRIED_WARNING` with what is held, where models this process released are still alive."""
-    carried = carried_models()
-    if carried:
-        held = sum(_parameter_bytes(m) for m in carried)
-        size = f"{held / 2**30:.2f} GB" if held >= 2**30 else f"{held / 2**20:.1f} MB"
-        kinds = ", ".join(sorted({type(m).__name__ for m in carried}))
-        print(f"[zbench] warning: {CARRIED_WARNING} ({role} rank {rank}: {len(carried)} model(s), {kinds}, {size} of "
-              "parameters, with whatever they hold: optimizer states, gradients); this trial's memory figures include "
-              "them", flush=True)
+def carried_report(role: str, rank: int, device: torch.device | None = None) -> str:
+    """What this process still holds of the models it released, in words ("" when nothing): counted by kind, their
+    parameters' size, and on a GPU the memory allocated in the process now (everything it holds, the live models'
+    included), for `CARRIED_WARNING`."""
+    carried = carried_objects()
+    if not carried:
+        return ""
+    held = sum(_parameter_bytes(m) for m in carried)
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(type(m).__name__ for m in carried).items()))
+    allocated = (f", {torch.cuda.memory_allocated(device) / 2**30:.2f} GB allocated in the process after the release"
+                 if device is not None and device.type == "cuda" else "")
+    return f"{role} rank {rank}: {kinds}; {_size(held)} of parameters{allocated}"
+
+
+def carried_line(reports: list[str]) -> str:
+    """The warning line of a trial whose processes still hold models of earlier trials (`carried_report` of each
+    rank that does), which the launcher makes the trial's warning (`zbench.harness.launch.carried_warning`)."""
+    return f"[zbench] warning: {CARRIED_WARNING} ({'; '.join(reports)}); this trial's memory figures include them"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
 
 
 def _forget_zero3_module(module: torch.nn.Module) -> None:
@@ -226,18 +246,20 @@ class _Worker:
         """Build this role's models from the checkpoint; returns what they are (each role defines it)."""
         raise NotImplementedError(f"{type(self).__name__} builds no models")
 
-    def release(self) -> None:
+    def release(self) -> str:
         """Drop the models `setup` built and give their memory back (device and host), for the next trial
         (`reconfigure`). Every worker of a session releases before any rebuilds, so no rebuild runs beside
         another process's previous models.
 
-        Afterwards it checks that the models it dropped are gone: one still held (a reference it did not know of)
-        keeps its memory, which every later trial of this process would measure as its own. It then prints
-        `CARRIED_WARNING` with what is held, each trial until those models go, so the launcher marks those trials."""
+        Returns what the process still holds of the models it ever released ("" when nothing, `carried_report`):
+        a model or optimizer still referenced from somewhere keeps its memory, which every later trial of this
+        process would measure as its own (`zbench.engine.trainer.Trainer.retarget` says so in the trial's log)."""
         for name in self.models:
             model = getattr(self, name, None)
             if model is not None:
                 _RELEASED.append(weakref.ref(getattr(model, "module", model)))
+                if getattr(model, "optimizer", None) is not None:  # ZeRO-1/2's holds no reference to the module
+                    _RELEASED.append(weakref.ref(model.optimizer))
             setattr(self, name, None)
             if model is not None and hasattr(model, "destroy"):  # a DeepSpeed engine: its hooks and buffers
                 model.destroy()
@@ -247,7 +269,7 @@ class _Worker:
         self.heap_frozen = 0
         if self.on_cuda:
             torch.cuda.empty_cache()
-        report_carried(self.role, self.rank)
+        return carried_report(self.role, self.rank, self.device if self.on_cuda else None)
 
     def reconfigure(self, cfg: RunConfig, case_dir: str) -> dict[str, Any]:
         """Become the worker of `cfg`, a trial of the same case at another batch geometry, whose folder is
@@ -540,13 +562,13 @@ class PolicyWorker(_Worker):
     role = "actor"
     models = ("engine", "ref")
 
-    def release(self) -> None:
+    def release(self) -> str:
         """As every worker releases, with a vLLM rollout put to sleep first: a new process builds its training
         engine before vLLM holds any memory, and so does a rebuild."""
         sleep = getattr(getattr(self, "rollout", None), "sleep", None)
         if sleep is not None:
             sleep()
-        super().release()
+        return super().release()
 
     def setup(self) -> dict[str, Any]:
         """Build the actor engine, the reference and (unless one is kept from an earlier trial) the rollout."""

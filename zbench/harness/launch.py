@@ -49,7 +49,7 @@ TRANSIENT_PATTERNS = re.compile(
 # Dynamo's warning when a compiled function meets more variants than its limit: what it stopped compiling runs eager
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(?:accumulated_)?(?:recompile|cache_size)_limit[^\n]*")
 RECOMPILE_WARNING = "torch.compile hit its recompile limit"  # how the warning a case gets for it begins
-CARRIED = re.compile(re.escape(CARRIED_WARNING) + r" \((.*?)\); this trial")  # `Worker.release`'s line
+CARRIED = re.compile(re.escape(CARRIED_WARNING) + r" \((.*?)\); this trial")  # `carried_line`'s
 _TRANSIENT_TAIL_LINES = 200  # a transient cause shows at the end of the log, not in start-up chatter
 
 
@@ -60,15 +60,17 @@ def recompile_warning(log_text: str) -> str | None:
         return None
     return (f"{RECOMPILE_WARNING} ({hit.group(0).strip()}, train.log): what it stopped compiling ran eager from "
             "then on, so this case's times are not those of its compiled path")
+
+
 def carried_warning(log_text: str) -> str | None:
-    """The warning a case gets when a worker of its process found, at the case's start, models of an earlier trial
-    still alive (`zbench.engine.workers.CARRIED_WARNING`: a trial served by a session's processes), or None: its
-    memory figures then include theirs."""
-    hit = CARRIED.search(log_text)
-    if hit is None:
+    """The warning a case gets when, at its start, its processes still held models of earlier trials
+    (`zbench.procs.CARRIED_WARNING`, `zbench.engine.workers.carried_line`: a trial served by a session's
+    processes), or None: its memory figures then include theirs."""
+    held = list(dict.fromkeys(CARRIED.findall(log_text)))
+    if not held:
         return None
-    return f"{CARRIED_WARNING} ({hit.group(1)}, train.log): its memory figures include theirs and overstate this " \
-           "geometry's"
+    return f"{CARRIED_WARNING} (train.log: {'; '.join(held)}): its memory figures include theirs and overstate " \
+           "this geometry's"
 
 
 # The final line of a Python traceback, optionally behind a Ray "(pid=...)" style prefix.
