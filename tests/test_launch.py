@@ -168,8 +168,8 @@ def test_models_of_an_earlier_trial_alive_in_the_process_are_a_warning_of_the_ca
     status = run(tmp_path, "carried_models")
     assert status["status"] == "completed", status
     [warning] = status["warnings"]
-    assert warning == ("models of an earlier trial are still alive in this process (train.log: actor rank 0: 1 "
-                       "DeepSpeedZeroOptimizer, 1 Qwen3ForCausalLM; 1.11 GB of parameters; actor rank 1: 1 "
+    assert warning == ("models of an earlier trial are still alive in this case's processes (train.log: actor rank "
+                       "0: 1 DeepSpeedZeroOptimizer, 1 Qwen3ForCausalLM; 1.11 GB of parameters; actor rank 1: 1 "
                        "DeepSpeedZeroOptimizer, 1 Qwen3ForCausalLM; 1.11 GB of parameters): its memory figures include "
                        "theirs and overstate this geometry's")
 

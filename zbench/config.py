@@ -697,7 +697,8 @@ def auto_takes_graph_loop(cfg: RunConfig) -> bool:
     it took 4.56 and 4.42 s (rollout 3.09 and 2.94 s) at 25.8 and 26.3 GB (results/reference/h100x2-20261125), and on
     2 x H200 3.29-3.87 s at ZeRO-2. Alone on one H200, at these 128 rows (32 prompts x 4), the loop's rollout took
     1.84 s, reading each prompt's keys once for its samples, against vLLM's 1.96-2.14 s on the fastest host measured
-    (results/reference/shared-prefix-20261128), and 1.70 s a day later (results/reference/h200x2-final-20261128); held through training its cache would be 15 GB, over GRPO's memory.
+    (results/reference/shared-prefix-20261128), and 1.70 s a day later (results/reference/h200x2-final-20261128);
+    held through training its cache would be 15 GB, over GRPO's memory.
 
     PPO's reference config (32 rows a GPU), ZeRO-1 and ZeRO-2, 2.05-2.06 s a step against vLLM's 2.43-2.46 s in one
     run on 2 x H200, at 4.1 GB more GPU memory in use (34 against 30 GB), the loop's KV cache and replica held on the

@@ -152,7 +152,7 @@ def reap_case(case_dir: Path, grace_s: float = 5.0) -> int:
 
 # How the warning begins that a served trial prints when its processes still hold models of earlier trials
 # (`zbench.engine.workers.carried_line`); the launcher turns the line into the case's warning
-CARRIED_WARNING = "models of an earlier trial are still alive in this process"
+CARRIED_WARNING = "models of an earlier trial are still alive in this case's processes"
 
 # How an out-of-memory failure reads in a log or an error: CUDA's and torch's, the host allocator's, Python's, and
 # Ray's memory monitor killing a worker
