@@ -401,7 +401,9 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
     grpo = {c.name: c for c in expand(load_matrix("grpo-six-case"), sets=ref, device_defaults=True)}
     z2, z3 = grpo["zero2_no_offload"], grpo["zero3_no_offload"]
     assert z2.config.actor.micro_batch_size_per_gpu == 32 and z3.config.actor.micro_batch_size_per_gpu == 64
-    assert z2.config.actor.forward_micro_batch_size_per_gpu == 64 and z2.config.model.gradient_checkpointing
+    assert z2.config.actor.forward_micro_batch_size_per_gpu == 64 and not z2.config.model.gradient_checkpointing
+    # compiled layers checkpoint none; the tiny model's activations are small beside its KV cache: all kept
+    assert z2.device_defaults["model.activation_memory_budget"] == 1.0
     assert z2.config.rollout.kv_cache_fit and "critic.micro_batch_size_per_gpu" not in z2.device_defaults
     assert z2.device_defaults["actor.micro_batch_size_per_gpu"] == 32 and not set(z2.device_defaults) & set(z2.overrides)
     assert z2.config.model.head_loss_in_forward and z2.device_defaults["model.head_loss_in_forward"] is True
@@ -442,5 +444,6 @@ def test_gpu_cases_take_the_fast_geometry_for_keys_nothing_names() -> None:
     from zbench.analyze.memory import target_cases
 
     sized = {cuda: target_cases("grpo-six-case", cuda, tuple(ref[2:]), ("zero3_no_offload",))[0][1] for cuda in (True, False)}
-    assert sized[True].actor.micro_batch_size_per_gpu == 64 and sized[True].model.gradient_checkpointing
+    assert sized[True].actor.micro_batch_size_per_gpu == 64 and not sized[True].model.gradient_checkpointing
+    assert sized[True].model.activation_memory_budget < 1.0 and sized[False].model.activation_memory_budget == 1.0
     assert sized[False].actor.micro_batch_size_per_gpu == 4 and not sized[False].model.gradient_checkpointing

@@ -75,6 +75,11 @@ class ModelConfig:
     # torch.compile each decoder layer of the trained models (fused kernels; at ZeRO-3 the layers become DeepSpeed
     # leaf modules): auto = on CUDA; always (CUDA only); never
     compile_layers: str = "auto"
+    # with compiled layers: the share of a layer's activations its backward may keep, between what recomputing
+    # every cheap operation leaves (0) and what the compiler keeps by default (1); the compiler recomputes the
+    # rest from what it keeps, choosing the least recomputation (torch's `activation_memory_budget`). Layers that
+    # `checkpoint_layers` recomputes whole keep only their input either way
+    activation_memory_budget: float = 1.0
     # training and scoring forwards move each row's left padding behind its tokens and run attention with the causal
     # flag alone (flash kernels) instead of a padding mask (zbench.engine.batches.shift_padding_right)
     maskless_attention: bool = True
@@ -93,6 +98,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, ("auto", "bf16", "fp32"))
         _choice("compile_layers", self.compile_layers, ("auto", "always", "never"))
+        if not 0.0 <= self.activation_memory_budget <= 1.0:
+            raise ConfigError("activation_memory_budget", f"{self.activation_memory_budget} is not a share: needs a "
+                                                          "number from 0 (keep the least) to 1 (the compiler's default)")
+        if self.activation_memory_budget < 1.0 and self.compile_layers == "never":
+            raise ConfigError("activation_memory_budget", f"{self.activation_memory_budget} shares a compiled layer's "
+                                                          "activations, and model.compile_layers=never compiles none; "
+                                                          "use compile_layers auto or always, or a budget of 1")
         if self.checkpoint_layers is not None:
             _positive("checkpoint_layers", self.checkpoint_layers, allow_zero=True)
             if not self.gradient_checkpointing:
@@ -606,8 +618,15 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out["trainer.critic_update"] = "overlap"
     out = {k: v for k, v in out.items() if not named(k)}
     if not named("model.checkpoint_layers") and not named("model.gradient_checkpointing"):
-        keep = checkpointed_within_peak(with_overrides(cfg, out))
-        if keep is not None:
+        checkpointed = with_overrides(cfg, out)
+        if cfg.model.compiles_layers(True):
+            # compiled layers recompute inside their own backward instead, within an activation budget (a named one
+            # says how much to keep): at 0 the same memory as checkpointing, faster
+            # (results/reference/h200x2-activation-budget-20261128)
+            out["model.gradient_checkpointing"] = False
+            if not named("model.activation_memory_budget"):
+                out["model.activation_memory_budget"] = budget_within_peak(checkpointed)
+        elif (keep := checkpointed_within_peak(checkpointed)) is not None:
             out["model.checkpoint_layers"] = keep
     return out
 
@@ -764,12 +783,44 @@ def checkpointed_within_peak(cfg: RunConfig) -> int | None:
             return keep
     return None
 
+BUDGET_STEP = 0.05  # the activation budgets the GPU defaults choose from: 0, 0.05, ..., 1
+
+
+def budget_within_peak(cfg: RunConfig) -> float:
+    """The largest activation budget (`model.activation_memory_budget`, a multiple of `BUDGET_STEP`) at which `cfg`
+    (checkpointing every layer, as given) predicts no higher peak on a GPU with its layers compiled and none
+    checkpointed (`zbench.analyze.activations`): the compiler recomputes inside each layer's backward what the
+    budget leaves out. A budget of 0 keeps what checkpointing keeps; that is the answer where the KV cache is a
+    share of a device this host cannot size (`rollout.gpu_memory_utilization`). Measured on an H200 at GRPO's
+    reference config, one rank's actor update: 1.160 s at a budget of 0 against 1.205 s with every layer
+    checkpointed, at the same peak; 1.084 s at 0.15 (+6.4 GB), 0.957 s at 1 (+29.5 GB)
+    (results/reference/h200x2-activation-budget-20261128)."""
+    from zbench.analyze.activations import geometry_memory, model_dims
+
+    if rollout_engine(cfg, True) == "vllm" and not cfg.rollout.kv_cache_fit:
+        return 0.0
+    try:
+        dims = model_dims(cfg.model.path)
+    except ValueError as err:  # the message names model.path and what it takes
+        raise ConfigError("", f"{err} (a GPU case reads its model's shape to choose its activation budget)") from None
+    ceiling = geometry_memory(with_overrides(cfg, {"model.gradient_checkpointing": True, "model.checkpoint_layers": None}),
+                              True, 0, dims).peak_bytes
+    steps = round(1 / BUDGET_STEP)
+    for k in range(steps, 0, -1):
+        lean = with_overrides(cfg, {"model.gradient_checkpointing": False, "model.checkpoint_layers": None,
+                                    "model.activation_memory_budget": k / steps})
+        if geometry_memory(lean, True, 0, dims).peak_bytes <= ceiling:
+            return k / steps
+    return 0.0
+
+
 # What two trials of one case may differ in when the same processes serve both (`zbench.engine.session`): the
 # batch geometry the workers build their engines for, and what names and bounds the trial. Anything else (the
 # rollout engine's settings among them: it is kept from trial to trial) must be the same.
 TRIAL_GEOMETRY_KEYS = (
     "actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu", "actor.forward_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing", "model.checkpoint_layers",
+    "model.activation_memory_budget",
 )  # fmt: skip
 TRIAL_KEYS = ("name", "steps", "trainer.profile_step", "trainer.profiler", "trainer.save_freq", "trainer.logger",
               *TRIAL_GEOMETRY_KEYS)
@@ -861,6 +912,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"model.head_loss_in_forward": False},
     {"trainer.critic_update": "serial"},
     {"rollout.release_kv_cache": False},  # the graph loop held its KV cache through training
+    {"model.activation_memory_budget": 1.0},  # compiled layers kept what the compiler chose
 )
 
 

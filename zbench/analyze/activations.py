@@ -5,7 +5,9 @@ The terms are upper bounds at full length (every sequence `data.max_prompt_lengt
 
 - a training micro-batch of b sequences keeps, per decoder layer and token, its inputs to the norms, the q/k/v/o
   projections and the SwiGLU MLP (about 4h + 4q + 2kv + 4i elements at training precision); with activation
-  checkpointing only each layer's input (h) stays, plus one layer recomputed at a time;
+  checkpointing only each layer's input (h) stays, plus one layer recomputed at a time; a compiled layer under
+  an activation budget (`model.activation_memory_budget`) keeps its input and the budget's share of the rest
+  (`budget_share`), plus one layer's working set for the recomputation in its backward;
 - the actor's head makes fp32 logits and their log-softmax over the vocabulary (2 x 4 bytes per token and entry),
   in the training passes and in the gradient-free ones (log-probs of the actor and reference) alike: for the whole
   micro-batch, or with `model.fused_head` for one chunk of `zbench.engine.lm_head.DEFAULT_CHUNK_TOKENS` at most;
@@ -21,6 +23,7 @@ and libraries) is measured once per case by the tuner and added as an offset (`z
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -90,6 +93,22 @@ def model_dims(spec: str) -> ModelDims:
                      intermediate_size=int(c.intermediate_size))
 
 
+# The share of a decoder layer's activations above its input that a compiled layer keeps at each activation budget:
+# measured on an H200 (Qwen3-0.6B shape, bf16, micro-batch 32 of GRPO's sequences, compiled by Inductor), peak
+# memory above every layer checkpointed over the same at a budget of 1 (results/reference/h200x2-activation-budget-
+# 20261128). The partitioner keeps a little more than the budget says; between the points, linear.
+KEPT_BY_BUDGET = ((0.0, 0.0), (0.15, 0.22), (0.3, 0.37), (0.5, 0.56), (1.0, 1.0))
+
+
+def budget_share(budget: float) -> float:
+    """The share of a layer's activations above its input that a compiled layer keeps at `budget`
+    (`KEPT_BY_BUDGET`, linear between its points)."""
+    for (b0, k0), (b1, k1) in itertools.pairwise(KEPT_BY_BUDGET):
+        if budget <= b1:
+            return k0 + (k1 - k0) * (budget - b0) / (b1 - b0)
+    return 1.0
+
+
 def _layer_elements(d: ModelDims) -> int:
     """Activation elements one decoder layer keeps per token for its backward."""
     q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
@@ -115,9 +134,12 @@ def geometry_memory(cfg: RunConfig, on_cuda: bool, device_bytes: int = 0, dims: 
     recomputed = min(d.num_layers, cfg.model.checkpoint_layers if cfg.model.checkpoint_layers is not None
                      else d.num_layers) if ckpt else 0
 
+    budget = cfg.model.activation_memory_budget if cfg.model.compiles_layers(on_cuda) else 1.0
+    kept_layer = d.hidden_size * p + budget_share(budget) * (layer - d.hidden_size * p)
+
     def train(b: int, with_logits: bool) -> int:
-        kept = seq * b * (recomputed * d.hidden_size * p + (d.num_layers - recomputed) * layer)
-        working = seq * b * layer if recomputed else 0
+        kept = int(seq * b * (recomputed * d.hidden_size * p + (d.num_layers - recomputed) * kept_layer))
+        working = seq * b * layer if recomputed or budget < 1.0 else 0
         return kept + working + (logits(b) if with_logits else 0)
 
     training = train(cfg.actor.micro_batch_size_per_gpu, True)

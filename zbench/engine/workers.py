@@ -65,6 +65,34 @@ def skip_zero3_param_ids(guards: Any) -> list[bool]:
     return [not entry.name.endswith(".ds_id") for entry in guards]
 
 
+class BudgetedBackend:
+    """A `torch.compile` backend that compiles as `backend` does, partitioning each training graph's saved
+    activations within `budget` (`model.activation_memory_budget`): the compiler recomputes in the backward what it
+    does not keep, choosing the cheapest recomputation that fits.
+
+    The budget travels with the backend, not in the process's compiler settings: Dynamo reuses a graph compiled for
+    the same code under any setting, so a tune trial with another budget would run the last trial's graphs. Another
+    backend object is one of Dynamo's guards, so each budget compiles its own (one object a budget:
+    `budgeted_backend`)."""
+
+    def __init__(self, backend: Any, budget: float):
+        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.budget = budget
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.backend(graph, example_inputs)
+
+
+@functools.cache
+def budgeted_backend(backend: Any, budget: float) -> BudgetedBackend:
+    """The one `BudgetedBackend` of this process for `backend` and `budget`: a trial that asks what an earlier one
+    asked reuses its graphs instead of compiling them again."""
+    return BudgetedBackend(backend, budget)
+
+
 # weak references to the models (and their optimizers) this process released, for as long as any of them lives on
 _RELEASED: list[weakref.ref] = []
 
@@ -235,6 +263,7 @@ class _Worker:
         self.device_peaks: dict[str, float] = {}  # device-wide GB in use, by the phase that was sampled
         self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
         self.compiled_layers = 0  # decoder layers compiled (`model.compile_layers`)
+        self.compile_backend: Any = "inductor"  # what compiles them (`_compile_layers`)
         self.profiler = StepProfiler(self.on_cuda)
         self.gc_clock = GcClock()
         self.heap_frozen = 0  # objects frozen after the first step's report (`zbench.engine.heap`)
@@ -386,9 +415,18 @@ class _Worker:
         if self.cfg.model.compile_layers == "always" and not self.on_cuda:
             raise ConfigError("model.compile_layers", "'always' compiles for CUDA only and this case trains on the "
                                                       "CPU; use 'auto' or 'never'")
-        if self.cfg.model.compiles_layers(self.on_cuda):
-            self._compile_layers(model)
+        if self._compiles_layers():
+            self._compile_layers(model, self.compile_backend)
+        elif self.cfg.model.activation_memory_budget < 1.0:
+            raise ConfigError("model.activation_memory_budget", f"{self.cfg.model.activation_memory_budget} shares "
+                                                                "a compiled layer's activations, and this case's layers "
+                                                                "are not compiled (model.compile_layers=auto compiles "
+                                                                "on CUDA only); use a budget of 1")
         return model
+
+    def _compiles_layers(self) -> bool:
+        """Whether this worker compiles its models' decoder layers (`model.compile_layers`)."""
+        return self.cfg.model.compiles_layers(self.on_cuda)
 
     def _compile_layers(self, model: torch.nn.Module, backend: Any = "inductor") -> None:
         """`torch.compile` each decoder layer in place (`model.compile_layers`): the layers share one graph, shapes
@@ -399,6 +437,8 @@ class _Worker:
         graph, so the layer's body compiles whole instead of breaking at every projection's gather. The guards on
         DeepSpeed's parameter numbers are dropped (`skip_zero3_param_ids`), so one graph serves every layer."""
         layers = self._decoder_layers(model)
+        if self.cfg.model.activation_memory_budget < 1.0:
+            backend = budgeted_backend(backend, self.cfg.model.activation_memory_budget)
         if self.cfg.zero.stage == 3:
             zero3_leaf_layers(model, layers)
             for layer in layers:
