@@ -80,19 +80,22 @@ REFERENCE = [("model.path", "qwen3-0.6b"), ("trainer.world_size", 2), ("trainer.
              ("rollout.max_new_tokens", 512), ("rollout.backend", "vllm")]
 
 
+EAGER = ("model.compile_layers", "never")
+
+
 def test_gpu_defaults_keep_activations_where_the_peak_does_not_rise():
-    """At the reference config, GRPO's rollout holds a KV cache for 128 sequences per GPU: the update may keep the
-    activations of a few layers in that memory (vLLM sleeps while it trains) without raising the predicted peak.
-    PPO's cache (32 sequences) leaves no room. Anything named is left alone."""
+    """At the reference config with eager layers, GRPO's rollout holds a KV cache for 128 sequences per GPU: the
+    update may keep the activations of a few layers in that memory (vLLM sleeps while it trains) without raising
+    the predicted peak. PPO's cache (32 sequences) leaves no room. Anything named is left alone."""
     from zbench.harness.matrix import expand, load_matrix
 
     def chosen(matrix: str, *sets: tuple[str, object]) -> dict[str, object]:
         return {c.name: c.device_defaults.get("model.checkpoint_layers", "unset")
-                for c in expand(load_matrix(matrix), sets=[*REFERENCE, *sets], device_defaults=True)}
+                for c in expand(load_matrix(matrix), sets=[*REFERENCE, EAGER, *sets], device_defaults=True)}
 
     grpo = chosen("grpo-six-case")
     for name, keep in grpo.items():
-        case = next(c for c in expand(load_matrix("grpo-six-case"), sets=REFERENCE, device_defaults=True)
+        case = next(c for c in expand(load_matrix("grpo-six-case"), sets=[*REFERENCE, EAGER], device_defaults=True)
                     if c.name == name)
         full = geometry_memory(with_overrides(case.config, {"model.checkpoint_layers": None}), True, 0)
         fewer = geometry_memory(case.config, True, 0)
@@ -108,14 +111,67 @@ def test_gpu_defaults_keep_activations_where_the_peak_does_not_rise():
         chosen("grpo-six-case", ("model.path", "/nonexistent/model"))
 
 
+def test_gpu_defaults_of_compiled_layers_take_the_largest_activation_budget_within_the_peak():
+    """Compiled layers (a GPU's default) checkpoint none: each keeps the largest share of its activations
+    (`model.activation_memory_budget`, a multiple of 0.05) predicted to leave the case's peak where checkpointing
+    every layer puts it. GRPO's KV cache for 128 sequences a GPU leaves room for a share; PPO's for 32 leaves none
+    (a budget of 0 keeps what checkpointing keeps). A named budget is kept and still turns checkpointing off; named
+    checkpointing keeps the layers as it says."""
+    from zbench.harness.matrix import expand, load_matrix
+
+    def cases(matrix: str, *sets: tuple[str, object], globs: tuple[str, ...] = ()) -> list:
+        return expand(load_matrix(matrix), sets=[*REFERENCE, *sets], case_globs=list(globs), device_defaults=True)
+
+    for case in cases("grpo-six-case"):
+        budget = case.device_defaults["model.activation_memory_budget"]
+        assert case.device_defaults["model.gradient_checkpointing"] is False, case.name
+        assert "model.checkpoint_layers" not in case.device_defaults, case.name
+        assert 0 <= budget <= 1 and round(budget / 0.05, 6).is_integer(), case.name
+        every = with_overrides(case.config, {"model.gradient_checkpointing": True,
+                                             "model.activation_memory_budget": 1.0})
+        ceiling = geometry_memory(every, True, 0).peak_bytes
+        assert geometry_memory(case.config, True, 0).peak_bytes <= ceiling, case.name
+        if budget < 1:  # the next step up would raise the peak
+            more = with_overrides(case.config, {"model.activation_memory_budget": round(budget + 0.05, 2)})
+            assert geometry_memory(more, True, 0).peak_bytes > ceiling, case.name
+    [z2] = cases("grpo-six-case", globs=("zero2_no_offload",))
+    assert z2.device_defaults["model.activation_memory_budget"] > 0  # room in the sleeping KV cache's memory
+    for case in cases("six-case"):
+        assert case.device_defaults["model.activation_memory_budget"] == 0.0, case.name
+        every = with_overrides(case.config, {"model.gradient_checkpointing": True})
+        assert geometry_memory(case.config, True, 0).peak_bytes == geometry_memory(every, True, 0).peak_bytes
+    for case in cases("grpo-six-case", ("model.activation_memory_budget", 0.3)):
+        assert case.config.model.activation_memory_budget == 0.3 and not case.config.model.gradient_checkpointing
+        assert "model.activation_memory_budget" not in case.device_defaults
+    for case in cases("grpo-six-case", ("model.gradient_checkpointing", True)):
+        assert case.config.model.gradient_checkpointing and case.config.model.activation_memory_budget == 1.0
+    for case in cases("grpo-six-case", ("rollout.gpu_memory_utilization", 0.3)):  # a KV cache not sized here
+        assert case.device_defaults["model.activation_memory_budget"] == 0.0
+
+
+def test_a_budget_needs_compiled_layers():
+    """A budget below 1 shares a compiled layer's activations: refused by name where no layer compiles (the
+    config's `compile_layers=never`, or the CPU, where `auto` compiles none), before any model is built."""
+    with pytest.raises(ConfigError, match=re.escape("model.activation_memory_budget: 1.5 is not a share")):
+        from_dict({"model": {"activation_memory_budget": 1.5}})
+    with pytest.raises(ConfigError, match=r"model\.activation_memory_budget: 0\.5 .* model\.compile_layers=never compiles none"):
+        from_dict({"model": {"activation_memory_budget": 0.5, "compile_layers": "never"}})
+    cfg = from_dict(_cfg(model={"activation_memory_budget": 0.5}))
+    worker = PolicyWorker(cfg, 0, 1, tempfile.mkdtemp(prefix="zbench-budget-"), str(resolve_model("tiny")))
+    worker.join("127.0.0.1", free_port())
+    with pytest.raises(ConfigError, match=r"model\.activation_memory_budget: 0\.5 .* are not compiled \(model\."
+                                          r"compile_layers=auto compiles on CUDA only\)"):
+        worker.setup()
+
+
 def test_tune_trials_override_the_default_layer_count():
     """A tune trial of a GPU case sets the layer count with the checkpointing it tries: a trial without checkpointing
     is not refused for the count the GPU defaults chose, and one with checkpointing on every layer says so."""
     from zbench.harness.matrix import expand, load_matrix
-    from zbench.harness.tune import case_space
+    from zbench.harness.tune import TUNE_BUDGETS, case_space
     from zbench.harness.tune_search import Geometry
 
-    [case] = expand(load_matrix("grpo-six-case"), sets=REFERENCE, case_globs=["zero2_no_offload"],
+    [case] = expand(load_matrix("grpo-six-case"), sets=[*REFERENCE, EAGER], case_globs=["zero2_no_offload"],
                     device_defaults=True)
     assert case.config.model.checkpoint_layers == 24
     tune = case_space(case, budget_gb=28.0, on_cuda=True, device_bytes=141 * 2**30)
@@ -125,6 +181,18 @@ def test_tune_trials_override_the_default_layer_count():
     every = with_overrides(case.config, tune.overrides(Geometry(32, 0, True)))
     assert every.model.gradient_checkpointing and every.model.checkpoint_layers is None
     assert with_overrides(case.config, tune.overrides(Geometry(32, 0, True, 20))).model.checkpoint_layers == 20
+    assert tune.search.space.budgets == ()  # eager layers: no activation budget to tune
+    # compiled layers (the default): the budget is a knob of its own, starting from the one the defaults chose
+    [case] = expand(load_matrix("grpo-six-case"), sets=REFERENCE, case_globs=["zero2_no_offload"],
+                    device_defaults=True)
+    tune = case_space(case, budget_gb=28.0, on_cuda=True, device_bytes=141 * 2**30)
+    assert tune.search.space.budgets == TUNE_BUDGETS
+    assert tune.search.space.start == Geometry(32, 0, False, activation_budget=case.config.model.activation_memory_budget)
+    lean = with_overrides(case.config, tune.overrides(Geometry(32, 0, False, activation_budget=0.3)))
+    assert lean.model.activation_memory_budget == 0.3 and not lean.model.gradient_checkpointing
+    fixed = expand(load_matrix("grpo-six-case"), sets=[*REFERENCE, ("model.activation_memory_budget", 0.5)],
+                   case_globs=["zero2_no_offload"], device_defaults=True)[0]
+    assert case_space(fixed, budget_gb=28.0, on_cuda=True, device_bytes=141 * 2**30).search.space.budgets == ()
 
 
 def test_estimate_of_a_gpu_matrix_whose_defaults_checkpoint_fewer_layers():

@@ -104,6 +104,36 @@ def test_where_checkpointing_won_fewer_layers_are_checkpointed_as_the_budget_all
     assert all(t.geometry.checkpoint_layers is None for t in plain.trials)
 
 
+def test_where_layers_compile_the_largest_activation_budget_predicted_to_fit_is_tried() -> None:
+    """Compiled layers keep a share of their activations (the budget) instead of checkpointing fewer layers: from
+    the best micro-batch at the case's own budget, the largest budget predicted to fit comes next; when that trial
+    measures over budget, the largest below it predicted to fit with its measurement counted. Fewer checkpointed
+    layers are not tried then (the budget buys the same memory for less recomputation)."""
+
+    def predict(g: Geometry) -> float:
+        kept = 0.25 if g.checkpointing else 0.25 + 0.75 * (g.activation_budget or 0.0)
+        return 2.0 + g.train_micro * kept
+
+    def world(g: Geometry) -> TrialResult:
+        measured = predict(g) + (3.0 if g.activation_budget == 1.0 else 0.0)  # the model undercounts there
+        step = (1.0 - 0.3 * (g.activation_budget or 0.0) if not g.checkpointing else 1.1) * (8 / g.train_micro)
+        return TrialResult(g, OK if measured <= 12 else OVER_BUDGET, step, measured)
+
+    start = Geometry(8, 0, False, activation_budget=0.05)
+    search = drive(Space(train_micros=(2, 4, 8), forward_micros=(), checkpointing=(False, True), start=start,
+                         budget_gb=12.0, predict_gb=predict, num_layers=8, budgets=(0.0, 0.15, 0.3, 0.5, 1.0)), world)
+    assert [t.geometry for t in search.trials] == [start, Geometry(4, 0, False, activation_budget=0.05),
+                                                   Geometry(8, 0, False, activation_budget=1.0),
+                                                   Geometry(8, 0, False, activation_budget=0.5)]
+    assert search.trials[2].status == OVER_BUDGET
+    assert search.best().geometry.label() == "micro 8, budget 0.5"
+    # a best geometry that checkpoints every layer: the same micro-batch with none checkpointed, any budget
+    ckpt = drive(Space(train_micros=(8,), forward_micros=(), checkpointing=(True,), start=Geometry(8, 0, True),
+                       budget_gb=4.5, predict_gb=predict, budgets=(0.0, 0.15, 0.3)), world)
+    assert [t.geometry for t in ckpt.trials] == [Geometry(8, 0, True), Geometry(8, 0, False, activation_budget=0.0)]
+    assert ckpt.best().geometry.activation_budget == 0.0  # as much memory as checkpointing, faster
+
+
 def test_the_measured_offset_corrects_the_prediction() -> None:
     # the model says 1 GB per sequence; the trials measure 5 GB more (runtime, allocator): 8 then cannot fit in 10
     search = drive(space(budget=10, predict=lambda g: float(g.train_micro), checkpointing=(False,)),
@@ -248,7 +278,9 @@ def test_a_cases_own_knobs_and_set_values_are_fixed() -> None:
     assert free.keys == {"train": ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"),
                          "forward": ("actor.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
                          "checkpointing": ("model.gradient_checkpointing",),
-                         "checkpoint_layers": ("model.checkpoint_layers",)}
+                         "checkpoint_layers": ("model.checkpoint_layers",),
+                         "activation_budget": ()}  # the CPU's layers are not compiled: no budget to tune
+    assert free.search.space.budgets == () and free.search.space.start.activation_budget is None
     # 8 prompts x 1 sample over 2 ranks: micro-batches of 1, 2 or 4 divide a rank's mini-batch of 4 sequences
     assert free.search.space.train_micros == (1, 2, 4) and free.search.space.checkpointing == (False, True)
     assert free.overrides(Geometry(2, 4, True)) == {

@@ -19,7 +19,8 @@ import pandas as pd
 from zbench.runroot.tuning import TUNING, read_tuning
 
 _SHORT = {"actor.micro_batch_size_per_gpu": "m", "actor.forward_micro_batch_size_per_gpu": "f",
-          "model.gradient_checkpointing": "ckpt", "model.checkpoint_layers": "ckpt"}
+          "model.gradient_checkpointing": "ckpt", "model.checkpoint_layers": "ckpt",
+          "model.activation_memory_budget": "b"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,8 @@ def _label(row: dict[str, str]) -> str:
             parts += [short] if value == "true" else []
         elif key == "model.checkpoint_layers":  # how many layers checkpoint, where not every one: ckpt20
             parts = [f"{short}{value}" if p == short and value else p for p in parts]
+        elif key == "model.activation_memory_budget":  # a share below the compiler's default: b0.3
+            parts += [f"{short}{float(value):g}"] if value and float(value) < 1 else []
         elif value and value != "0":
             parts.append(f"{short}{value}")
     return " ".join(parts)
@@ -115,7 +118,7 @@ def frontier_figure(rows: list[dict[str, str]]) -> bytes:
                       else "step time, steady mean (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Tuning: time against peak memory\n(m: micro-batch, f: forward micro-batch, ckpt: checkpointing)",
+    fig.suptitle("Tuning: time against peak memory\n(m: micro-batch, f: forward micro-batch, ckpt: checkpointing, b: activation budget)",
                  fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

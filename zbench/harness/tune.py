@@ -60,6 +60,9 @@ from zbench.runroot.tuning import (
 )
 
 TRIAL_STEPS = 3  # a warm-up step, then timed steps (the steady-state rule skips step 1)
+# the activation budgets a case whose layers compile may try (`zbench.harness.tune_search.Search._budget`): the
+# points where the update's time and memory were measured (results/reference/h200x2-activation-budget-20261128)
+TUNE_BUDGETS = (0.0, 0.15, 0.3, 0.5, 1.0)
 TIGHT_PEAK = 0.9  # a chosen peak above this share of the memory budget is pointed out (longer batches need more)
 
 
@@ -124,6 +127,8 @@ def geometry_overrides(keys: dict[str, tuple[str, ...]], constant: dict[str, Any
     out.update({k: g.forward_micro for k in keys["forward"]})
     out.update({k: g.checkpointing for k in keys["checkpointing"]})
     out.update({k: g.checkpoint_layers if g.checkpointing else None for k in keys["checkpoint_layers"]})
+    if g.activation_budget is not None:
+        out.update({k: g.activation_budget for k in keys.get("activation_budget", ())})
     return out
 
 
@@ -149,6 +154,8 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
         "forward": tuple(k for r in roles if (k := f"{r}.forward_micro_batch_size_per_gpu") not in fixed),
         "checkpointing": () if "model.gradient_checkpointing" in fixed else ("model.gradient_checkpointing",),
         "checkpoint_layers": () if "model.checkpoint_layers" in fixed else ("model.checkpoint_layers",),
+        "activation_budget": () if "model.activation_memory_budget" in fixed or not cfg.model.compiles_layers(on_cuda)
+        else ("model.activation_memory_budget",),
     }
     vllm = on_cuda and cfg.rollout.backend == "vllm"
     kv_free = not fixed & {"rollout.kv_cache_fit", "rollout.gpu_memory_utilization"}
@@ -157,7 +164,8 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
     section = cfg.critic if keys["train"] and keys["train"][0].startswith("critic") else cfg.actor
     start = Geometry(section.micro_batch_size_per_gpu,
                      0 if keys["forward"] else section.forward_micro_batch_size_per_gpu,
-                     cfg.model.gradient_checkpointing)
+                     cfg.model.gradient_checkpointing,
+                     activation_budget=cfg.model.activation_memory_budget if keys["activation_budget"] else None)
     dims = model_dims(cfg.model.path)
 
     def predict(g: Geometry) -> float:
@@ -171,6 +179,7 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
         checkpointing=(False, True) if keys["checkpointing"] else (cfg.model.gradient_checkpointing,),
         start=start, budget_gb=budget_gb, predict_gb=predict,
         num_layers=dims.num_layers if keys["checkpoint_layers"] else 0,
+        budgets=TUNE_BUDGETS if keys["activation_budget"] else (),
     )
     return CaseTune(case, Search(space), keys, constant)
 

@@ -9,6 +9,9 @@ Pure logic on trial results (no process is started here), in the order an engine
    win where speed stopped it): larger micro-batches with it, while faster; then, where checkpointing every decoder
    layer won, checkpointing only as many as the budget needs (the rest keep their activations and skip the
    recomputation);
+   where the layers are compiled, the activation budget instead of fewer checkpointed layers: no layer
+   checkpointed, the compiler keeping the largest share of each layer's activations predicted to fit (it
+   recomputes the rest inside the layer's backward, which costs less than checkpointing the same memory away);
 3. the forward micro-batch of the gradient-free passes, only when those passes take a share of the step worth
    winning: grow from the training micro-batch while faster.
 
@@ -35,12 +38,17 @@ class Geometry:
     forward_micro: int  # sequences per gradient-free forward on one rank; 0: as the training micro-batch
     checkpointing: bool  # activation checkpointing
     checkpoint_layers: int | None = None  # with checkpointing: the decoder layers that recompute (None: every one)
+    # compiled layers: the share of their activations they keep (`model.activation_memory_budget`); None: not tuned
+    activation_budget: float | None = None
 
     def label(self) -> str:
-        """Short text for logs and plots: `micro 4, fwd 8, ckpt` (`ckpt 20 layers` where not every one)."""
+        """Short text for logs and plots: `micro 4, fwd 8, ckpt` (`ckpt 20 layers` where not every one; `budget 0.3`
+        where the layers that keep activations keep that share)."""
         fwd = f", fwd {self.forward_micro}" if self.forward_micro else ""
         layers = f" {self.checkpoint_layers} layers" if self.checkpoint_layers is not None else ""
-        return f"micro {self.train_micro}{fwd}{f', ckpt{layers}' if self.checkpointing else ''}"
+        kept = self.activation_budget is not None and (not self.checkpointing or self.checkpoint_layers is not None)
+        budget = f", budget {self.activation_budget:g}" if kept else ""
+        return f"micro {self.train_micro}{fwd}{f', ckpt{layers}' if self.checkpointing else ''}{budget}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,7 @@ class Space:
     budget_gb: float
     predict_gb: Callable[[Geometry], float]  # the memory model's per-rank (CPU: per-host) peak
     num_layers: int = 0  # decoder layers, where checkpointing fewer of them may be tried (0: it may not)
+    budgets: tuple[float, ...] = ()  # ascending activation budgets to try, where the layers compile (): not tuned
     tolerance: float = TOLERANCE
     max_trials: int = MAX_TRIALS
 
@@ -147,7 +156,7 @@ class Search:
         fwd0 = s.start.forward_micro if not s.forward_micros else 0
 
         def at(m: int, ckpt: bool = ckpt0) -> Geometry:
-            return Geometry(m, fwd0, ckpt)
+            return Geometry(m, fwd0, ckpt, activation_budget=s.start.activation_budget)
 
         fitting = [m for m in micros if self.fits(at(m))]
         if not fitting:
@@ -173,7 +182,10 @@ class Search:
                               "not run for another reason than memory")
             return
         yield from self._checkpointing(stopped_by)
-        yield from self._fewer_checkpointed()
+        if s.budgets:
+            yield from self._budget()
+        else:
+            yield from self._fewer_checkpointed()
         yield from self._forward()
 
     def _grow(self, larger: list[int], at: Callable[[int], Geometry]) -> Generator[Geometry, TrialResult, str]:
@@ -233,7 +245,8 @@ class Search:
             return
         floor = best.geometry.train_micro if best else 0
         for m in [m for m in self.space.train_micros if m > floor or best is None]:
-            g = Geometry(m, best.geometry.forward_micro if best else self.space.start.forward_micro, True)
+            g = Geometry(m, best.geometry.forward_micro if best else self.space.start.forward_micro, True,
+                         activation_budget=self.space.start.activation_budget)
             if self._prune(g):
                 return
             r = yield from self._trial(g)
@@ -261,6 +274,30 @@ class Search:
             r = yield from self._trial(replace(best.geometry, checkpoint_layers=tried))
             if r is None or r.status not in MEMORY_STATUSES:
                 return
+
+    def _budget(self, attempts: int = 3) -> Generator[Geometry, TrialResult, None]:
+        """Where the layers compile: the best geometry's micro-batch with no layer checkpointed and the largest
+        activation budget above its own predicted to fit (the memory model, corrected by what the trials measured);
+        after a trial over budget, the largest below it predicted to fit with that trial counted, `attempts`
+        trials at most. The trials compete with the rest."""
+        best = self.best()
+        if best is None:
+            return
+        lean = replace(best.geometry, checkpointing=False, checkpoint_layers=None)
+        above = -1.0 if best.geometry.checkpointing else (best.geometry.activation_budget or 0.0)
+        below = float("inf")
+        for _ in range(attempts):
+            fitting = [b for b in self.space.budgets
+                       if above < b < below and self.fits(replace(lean, activation_budget=b))]
+            if not fitting:
+                self.notes.append(f"activation budget: none above {max(above, 0.0):g}"
+                                  f"{f' and below {below:g}' if below < 1.5 else ''} is predicted to fit "
+                                  f"{lean.label()} within {self.space.budget_gb:.2f} GB")
+                return
+            r = yield from self._trial(replace(lean, activation_budget=max(fitting)))
+            if r is None or r.status not in MEMORY_STATUSES:
+                return
+            below = max(fitting)
 
     def _forward(self) -> Generator[Geometry, TrialResult, None]:
         """Larger forward micro-batches for the gradient-free passes, when they take a share worth winning."""
