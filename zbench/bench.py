@@ -293,7 +293,11 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
     """The floors a run's training phases are set against, read from its cases: model, ranks, ZeRO stage and
     offload, training micro-batch, sequences per rank per optimizer step, and the mean sequence length the case
     trained on (prompt + response, steps 2.. of its metrics); the value head too for PPO's critic. Each distinct
-    floor once. Also returns a note for every case left out (no config, or no step recorded)."""
+    floor once. Also returns a note for every case left out (no config, or no step recorded).
+
+    Bare DeepSpeed's layers keep all of their activations or, checkpointed, only their input: a case whose compiled
+    layers keep a share below 1 (`model.activation_memory_budget`) is set against every layer checkpointed, the
+    floor at its memory (a budget of 0 keeps what checkpointing keeps), not against one that keeps everything."""
     from zbench.config import ConfigError, load_case_config
     from zbench.runroot import casedir
     from zbench.runroot.root import MANIFEST
@@ -319,13 +323,14 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
         seq_len = round(sum(lengths) / len(lengths))
         world = cfg.trainer.world_size
         seqs = cfg.batch_plan().mini_batch_sequences // world
+        budgeted = cfg.model.activation_memory_budget < 1.0 and cfg.model.compiles_layers(cfg.trainer.device != "cpu")
         heads = [("lm", cfg.actor.micro_batch_size_per_gpu)]
         if cfg.needs_critic:
             heads.append(("value", cfg.critic.micro_batch_size_per_gpu))
         for head, micro in heads:
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
                              seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
-                             gradient_checkpointing=cfg.model.gradient_checkpointing,
+                             gradient_checkpointing=cfg.model.gradient_checkpointing or budgeted,
                              checkpoint_layers=cfg.model.checkpoint_layers, fused_ops=cfg.model.fused_ops, head=head)
             if spec not in specs:
                 specs.append(spec)
