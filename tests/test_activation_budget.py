@@ -28,10 +28,10 @@ class _PartitionedOnCpu(PolicyWorker):
         return True
 
 
-def _saved_update(budget: float, port: int | None) -> tuple[PolicyWorker, dict, int]:
-    """A ZeRO-2 worker (compiled layers, no checkpointing, `budget`), one GRPO update of the reference batch, and
-    the bytes autograd saved for its backward over the update."""
-    cfg = from_dict(_cfg(zero={"stage": 2}, model={"activation_memory_budget": budget}))
+def _saved_update(budget: float, port: int | None, stage: int = 2) -> tuple[PolicyWorker, dict, int]:
+    """A ZeRO-`stage` worker (compiled layers, no checkpointing, `budget`), one GRPO update of the reference batch,
+    and the bytes autograd saved for its backward over the update."""
+    cfg = from_dict(_cfg(zero={"stage": stage}, model={"activation_memory_budget": budget}))
     worker = _PartitionedOnCpu(cfg, 0, 1, tempfile.mkdtemp(prefix="zbench-budget-"), str(resolve_model("tiny")))
     if port is not None:
         worker.join("127.0.0.1", port)
@@ -52,12 +52,14 @@ def _saved_update(budget: float, port: int | None) -> tuple[PolicyWorker, dict, 
 def test_a_lower_budget_keeps_less_and_makes_the_same_update():
     torch._dynamo.reset()
     full_worker, full, full_bytes = _saved_update(1.0, free_port())
+    _, half, half_bytes = _saved_update(0.5, None)
     lean_worker, lean, lean_bytes = _saved_update(0.0, None)
     _, again, again_bytes = _saved_update(1.0, None)
     assert full_worker.compiled_layers == lean_worker.compiled_layers == len(full_worker.engine.module.model.layers)
-    assert lean_bytes < 0.8 * full_bytes, (lean_bytes, full_bytes)
-    assert again_bytes == full_bytes  # the third model compiled for its own budget, not the second's
-    for other in (lean, again):
+    # each model compiled for its own budget, not for the one before it
+    assert lean_bytes < half_bytes < full_bytes and lean_bytes < 0.8 * full_bytes, (lean_bytes, half_bytes, full_bytes)
+    assert again_bytes == full_bytes
+    for other in (half, lean, again):
         assert torch.allclose(other["old_log_probs"], full["old_log_probs"], atol=1e-6)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert other[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
@@ -65,3 +67,21 @@ def test_a_lower_budget_keeps_less_and_makes_the_same_update():
     for (name, a), b in zip(full_worker.engine.module.named_parameters(), lean_worker.engine.module.parameters(),
                             strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_zero3_leaf_layers_take_the_budget_too():
+    """At ZeRO-3 the layers compile as leaf modules (their `forward` compiled, DeepSpeed's gathers outside): the
+    budget reaches that compile as well, with the same update."""
+    from test_lm_head import _full_params
+
+    torch._dynamo.reset()
+    full_worker, full, full_bytes = _saved_update(1.0, free_port(), stage=3)
+    lean_worker, lean, lean_bytes = _saved_update(0.0, None, stage=3)
+    assert lean_worker.compiled_layers == len(lean_worker.engine.module.model.layers) > 0
+    assert lean_bytes < 0.8 * full_bytes, (lean_bytes, full_bytes)
+    assert torch.allclose(lean["old_log_probs"], full["old_log_probs"], atol=1e-6)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert lean[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+    before, after = dict(_full_params(full_worker)), dict(_full_params(lean_worker))
+    for name, p in before.items():
+        assert torch.allclose(p, after[name], atol=1e-6), name

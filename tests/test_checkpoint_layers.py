@@ -136,6 +136,11 @@ def test_gpu_defaults_of_compiled_layers_take_the_largest_activation_budget_with
             assert geometry_memory(more, True, 0).peak_bytes > ceiling, case.name
     [z2] = cases("grpo-six-case", globs=("zero2_no_offload",))
     assert z2.device_defaults["model.activation_memory_budget"] > 0  # room in the sleeping KV cache's memory
+    # `zbench estimate`'s micro-batch without checkpointing keeps every activation, whatever the case's budget
+    from zbench.analyze.activations import largest_fitting_micro
+
+    keep_all = with_overrides(z2.config, {"model.activation_memory_budget": 1.0})
+    assert largest_fitting_micro(z2.config, False, 40 * 2**30) == largest_fitting_micro(keep_all, False, 40 * 2**30)
     for case in cases("six-case"):
         assert case.device_defaults["model.activation_memory_budget"] == 0.0, case.name
         every = with_overrides(case.config, {"model.gradient_checkpointing": True})
@@ -143,6 +148,9 @@ def test_gpu_defaults_of_compiled_layers_take_the_largest_activation_budget_with
     for case in cases("grpo-six-case", ("model.activation_memory_budget", 0.3)):
         assert case.config.model.activation_memory_budget == 0.3 and not case.config.model.gradient_checkpointing
         assert "model.activation_memory_budget" not in case.device_defaults
+    # a named budget of 1 keeps all a layer does not checkpoint: checkpointing's defaults stand, as for eager layers
+    for case in cases("grpo-six-case", ("model.activation_memory_budget", 1.0)):
+        assert case.config.model.gradient_checkpointing, case.name
     for case in cases("grpo-six-case", ("model.gradient_checkpointing", True)):
         assert case.config.model.gradient_checkpointing and case.config.model.activation_memory_budget == 1.0
     for case in cases("grpo-six-case", ("rollout.gpu_memory_utilization", 0.3)):  # a KV cache not sized here
@@ -150,8 +158,9 @@ def test_gpu_defaults_of_compiled_layers_take_the_largest_activation_budget_with
 
 
 def test_a_budget_needs_compiled_layers():
-    """A budget below 1 shares a compiled layer's activations: refused by name where no layer compiles (the
-    config's `compile_layers=never`, or the CPU, where `auto` compiles none), before any model is built."""
+    """A budget below 1 shares a compiled layer's activations: refused by name where no layer compiles, by the
+    config itself for `compile_layers=never`, by the worker as it builds its model on the CPU (where `auto`
+    compiles none), before any step."""
     with pytest.raises(ConfigError, match=re.escape("model.activation_memory_budget: 1.5 is not a share")):
         from_dict({"model": {"activation_memory_budget": 1.5}})
     with pytest.raises(ConfigError, match=r"model\.activation_memory_budget: 0\.5 .* model\.compile_layers=never compiles none"):

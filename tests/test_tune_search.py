@@ -127,11 +127,30 @@ def test_where_layers_compile_the_largest_activation_budget_predicted_to_fit_is_
                                                    Geometry(8, 0, False, activation_budget=0.5)]
     assert search.trials[2].status == OVER_BUDGET
     assert search.best().geometry.label() == "micro 8, budget 0.5"
-    # a best geometry that checkpoints every layer: the same micro-batch with none checkpointed, any budget
+    # checkpointing fixed on: no trial turns it off (the budget would act on no layer); fewer layers are tried
     ckpt = drive(Space(train_micros=(8,), forward_micros=(), checkpointing=(True,), start=Geometry(8, 0, True),
-                       budget_gb=4.5, predict_gb=predict, budgets=(0.0, 0.15, 0.3)), world)
-    assert [t.geometry for t in ckpt.trials] == [Geometry(8, 0, True), Geometry(8, 0, False, activation_budget=0.0)]
-    assert ckpt.best().geometry.activation_budget == 0.0  # as much memory as checkpointing, faster
+                       budget_gb=4.5, predict_gb=predict, num_layers=8, budgets=(0.0, 0.15, 0.3)), world)
+    assert all(t.geometry.checkpointing for t in ckpt.trials)
+
+
+def test_where_memory_stops_the_growth_larger_micro_batches_are_tried_at_lower_budgets() -> None:
+    """Checkpointing fixed off, the case's budget 1: micro-batch 8 is the largest that fits at it. Larger ones come
+    next, each at the largest budget predicted to fit it, while faster; then no budget above the best's fits."""
+
+    def predict(g: Geometry) -> float:
+        return 2.0 + g.train_micro * (0.25 + 0.75 * (g.activation_budget or 0.0))
+
+    def world(g: Geometry) -> TrialResult:
+        return TrialResult(g, OK, (1.0 - 0.3 * (g.activation_budget or 0.0)) * 8 / g.train_micro, predict(g))
+
+    search = drive(Space(train_micros=(8, 16, 32), forward_micros=(), checkpointing=(False,),
+                         start=Geometry(32, 0, False, activation_budget=1.0), budget_gb=12.0, predict_gb=predict,
+                         budgets=(0.0, 0.15, 0.3, 0.5, 1.0)), world)
+    assert [t.geometry for t in search.trials] == [Geometry(8, 0, False, activation_budget=1.0),
+                                                   Geometry(16, 0, False, activation_budget=0.5),
+                                                   Geometry(32, 0, False, activation_budget=0.0)]
+    assert search.best().geometry.label() == "micro 32, budget 0"
+    assert "activation budget: no budget above 0 is predicted to fit micro 32 within 12.00 GB" in search.notes
 
 
 def test_the_measured_offset_corrects_the_prediction() -> None:

@@ -331,7 +331,8 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
                              seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
                              gradient_checkpointing=cfg.model.gradient_checkpointing or budgeted,
-                             checkpoint_layers=cfg.model.checkpoint_layers, fused_ops=cfg.model.fused_ops, head=head)
+                             checkpoint_layers=None if budgeted else cfg.model.checkpoint_layers,
+                             fused_ops=cfg.model.fused_ops, head=head)
             if spec not in specs:
                 specs.append(spec)
     if not specs:

@@ -585,7 +585,8 @@ def _largest_divisor(n: int, cap: int) -> int:
 def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[str, Any]:
     """The fast path on a GPU: the settings a CUDA case takes for each of these keys that its matrix, case and
     `--set` leave unnamed (``named(key)`` false), as dotted overrides. The dataclass defaults suit the CPU's tiny
-    model; a GPU case wants activation checkpointing with micro-batches sized by tokens, the largest forward
+    model; a GPU case wants compiled layers that recompute within an activation budget (or, eager, activation
+    checkpointing), micro-batches sized by tokens, the largest forward
     micro-batch, the hf backend's CUDA-graph decode loop where it has run fast (`graph_loop_measured`; `auto` takes
     it where `auto_takes_graph_loop` says), a vLLM KV cache fitted to one rollout, and PPO's critic update behind the
     next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the
@@ -619,12 +620,14 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     out = {k: v for k, v in out.items() if not named(k)}
     if not named("model.checkpoint_layers") and not named("model.gradient_checkpointing"):
         checkpointed = with_overrides(cfg, out)
-        if cfg.model.compiles_layers(True):
+        budget_named = named("model.activation_memory_budget")
+        if cfg.model.compiles_layers(True) and (not budget_named or cfg.model.activation_memory_budget < 1.0):
             # compiled layers recompute inside their own backward instead, within an activation budget (a named one
-            # says how much to keep): at 0 the same memory as checkpointing, faster
-            # (results/reference/h200x2-activation-budget-20261128)
+            # below 1 says how much to keep): at 0 the same memory as checkpointing, faster
+            # (results/reference/h200x2-activation-budget-20261128). A named budget of 1 keeps everything it does
+            # not checkpoint: checkpointing's defaults stand
             out["model.gradient_checkpointing"] = False
-            if not named("model.activation_memory_budget"):
+            if not budget_named:
                 out["model.activation_memory_budget"] = budget_within_peak(checkpointed)
         elif (keep := checkpointed_within_peak(checkpointed)) is not None:
             out["model.checkpoint_layers"] = keep

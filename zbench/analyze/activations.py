@@ -96,7 +96,8 @@ def model_dims(spec: str) -> ModelDims:
 # The share of a decoder layer's activations above its input that a compiled layer keeps at each activation budget:
 # measured on an H200 (Qwen3-0.6B shape, bf16, micro-batch 32 of GRPO's sequences, compiled by Inductor), peak
 # memory above every layer checkpointed over the same at a budget of 1 (results/reference/h200x2-activation-budget-
-# 20261128). The partitioner keeps a little more than the budget says; between the points, linear.
+# 20261128), rounded up to the hundredth. The partitioner keeps a little more than the budget says; between the
+# points, linear.
 KEPT_BY_BUDGET = ((0.0, 0.0), (0.15, 0.22), (0.3, 0.37), (0.5, 0.56), (1.0, 1.0))
 
 
@@ -185,12 +186,14 @@ def largest_fitting_micro(cfg: RunConfig, checkpointing: bool, device_bytes: int
                           ) -> int | None:
     """The largest training micro-batch (a divisor of a rank's share of a mini-batch; gradient-free passes at the
     same size) at which `cfg`, with activation checkpointing on or off, is predicted to fit a GPU of `device_bytes`;
-    None when not even one sequence does (the model states and KV cache leave no room)."""
+    None when not even one sequence does (the model states and KV cache leave no room). Off means every layer keeps
+    all of its activations (an activation budget of 1), whatever budget `cfg` has."""
     d = dims or model_dims(cfg.model.path)
     per_rank = cfg.batch_plan().mini_batch_sequences // cfg.trainer.world_size
     roles = ("actor", "critic") if cfg.needs_critic else ("actor",)
     for micro in sorted((m for m in range(1, per_rank + 1) if per_rank % m == 0), reverse=True):
         geometry = {"model.gradient_checkpointing": checkpointing, "model.checkpoint_layers": None,  # every layer
+                    "model.activation_memory_budget": 1.0,
                     **{f"{r}.micro_batch_size_per_gpu": micro for r in roles},
                     **{f"{r}.forward_micro_batch_size_per_gpu": micro for r in roles}}
         if geometry_memory(with_overrides(cfg, geometry), True, device_bytes, d).peak_bytes <= device_bytes:

@@ -64,7 +64,8 @@ def _label(row: dict[str, str]) -> str:
         elif key == "model.checkpoint_layers":  # how many layers checkpoint, where not every one: ckpt20
             parts = [f"{short}{value}" if p == short and value else p for p in parts]
         elif key == "model.activation_memory_budget":  # a share below the compiler's default: b0.3
-            parts += [f"{short}{float(value):g}"] if value and float(value) < 1 else []
+            every = row.get("model.gradient_checkpointing") == "true" and not row.get("model.checkpoint_layers")
+            parts += [f"{short}{float(value):g}"] if value and float(value) < 1 and not every else []
         elif value and value != "0":
             parts.append(f"{short}{value}")
     return " ".join(parts)

@@ -72,12 +72,16 @@ class BudgetedBackend:
 
     The budget travels with the backend, not in the process's compiler settings: Dynamo reuses a graph compiled for
     the same code under any setting, so a tune trial with another budget would run the last trial's graphs. Another
-    backend object is one of Dynamo's guards, so each budget compiles its own (one object a budget:
-    `budgeted_backend`)."""
+    backend object is one of Dynamo's guards, so each budget compiles its own (one object a budget and named
+    backend: `budgeted_backend`)."""
 
     def __init__(self, backend: Any, budget: float):
+        self.name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
         self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
         self.budget = budget
+
+    def __repr__(self) -> str:
+        return f"BudgetedBackend({self.name}, activation_memory_budget={self.budget:g})"
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         import torch._functorch.config as functorch_config
@@ -86,10 +90,15 @@ class BudgetedBackend:
             return self.backend(graph, example_inputs)
 
 
-@functools.cache
 def budgeted_backend(backend: Any, budget: float) -> BudgetedBackend:
-    """The one `BudgetedBackend` of this process for `backend` and `budget`: a trial that asks what an earlier one
-    asked reuses its graphs instead of compiling them again."""
+    """`backend` (a registered backend's name, or a compiler function) within `budget`. For a name, the one such
+    object of this process, so a trial that asks what an earlier one asked reuses its graphs instead of compiling
+    them again; a function is wrapped anew each time (it may be unhashable, and the cache would keep it alive)."""
+    return _named_budgeted_backend(backend, budget) if isinstance(backend, str) else BudgetedBackend(backend, budget)
+
+
+@functools.cache
+def _named_budgeted_backend(backend: str, budget: float) -> BudgetedBackend:
     return BudgetedBackend(backend, budget)
 
 

@@ -9,9 +9,11 @@ Pure logic on trial results (no process is started here), in the order an engine
    win where speed stopped it): larger micro-batches with it, while faster; then, where checkpointing every decoder
    layer won, checkpointing only as many as the budget needs (the rest keep their activations and skip the
    recomputation);
-   where the layers are compiled, the activation budget instead of fewer checkpointed layers: no layer
-   checkpointed, the compiler keeping the largest share of each layer's activations predicted to fit (it
-   recomputes the rest inside the layer's backward, which costs less than checkpointing the same memory away);
+   where the layers are compiled and checkpointing may be off, the activation budget instead of fewer
+   checkpointed layers: where memory stopped the growth, larger micro-batches at the largest budget predicted to
+   fit them, while faster; then, at the best micro-batch, no layer checkpointed and the largest budget above its
+   own predicted to fit (the compiler recomputes the rest inside the layer's backward, which costs less than
+   checkpointing the same memory away);
 3. the forward micro-batch of the gradient-free passes, only when those passes take a share of the step worth
    winning: grow from the training micro-batch while faster.
 
@@ -182,7 +184,8 @@ class Search:
                               "not run for another reason than memory")
             return
         yield from self._checkpointing(stopped_by)
-        if s.budgets:
+        if s.budgets and False in s.checkpointing:  # the budget acts on layers checkpointing leaves alone
+            yield from self._larger_within_budget(stopped_by)
             yield from self._budget()
         else:
             yield from self._fewer_checkpointed()
@@ -275,29 +278,55 @@ class Search:
             if r is None or r.status not in MEMORY_STATUSES:
                 return
 
+    def _lean(self, micro: int, above: float = -1.0, below: float = float("inf")) -> Geometry | None:
+        """The best geometry at `micro` with no layer checkpointed and the largest activation budget strictly
+        between `above` and `below` predicted to fit (the memory model, corrected by what the trials measured);
+        None if none is."""
+        best = self.best()
+        base = replace(best.geometry if best else self.space.start, train_micro=micro, checkpointing=False,
+                       checkpoint_layers=None)
+        fitting = [b for b in self.space.budgets if above < b < below and self.fits(replace(base, activation_budget=b))]
+        return replace(base, activation_budget=max(fitting)) if fitting else None
+
+    def _larger_within_budget(self, stopped_by: str) -> Generator[Geometry, TrialResult, None]:
+        """Where memory stopped the micro-batch's growth: larger micro-batches, each at the largest activation
+        budget predicted to fit it (a lower one than the case started with, where that is what fits), while
+        faster."""
+        best = self.best()
+        if stopped_by != "memory" or best is None:
+            return
+        for m in [m for m in self.space.train_micros if m > best.geometry.train_micro]:
+            g = self._lean(m)
+            if g is None:
+                self.notes.append(f"activation budget: micro {m} is predicted over {self.space.budget_gb:.2f} GB at "
+                                  f"every budget tried ({', '.join(f'{b:g}' for b in self.space.budgets)})")
+                return
+            r = yield from self._trial(g)
+            if r is None or not self.faster(r, best):
+                return
+            best = r
+
     def _budget(self, attempts: int = 3) -> Generator[Geometry, TrialResult, None]:
         """Where the layers compile: the best geometry's micro-batch with no layer checkpointed and the largest
-        activation budget above its own predicted to fit (the memory model, corrected by what the trials measured);
-        after a trial over budget, the largest below it predicted to fit with that trial counted, `attempts`
-        trials at most. The trials compete with the rest."""
+        activation budget above its own predicted to fit; after a trial over budget, the largest below it predicted
+        to fit with that trial counted, `attempts` trials at most. The trials compete with the rest."""
         best = self.best()
         if best is None:
             return
-        lean = replace(best.geometry, checkpointing=False, checkpoint_layers=None)
-        above = -1.0 if best.geometry.checkpointing else (best.geometry.activation_budget or 0.0)
-        below = float("inf")
+        own = None if best.geometry.checkpointing else best.geometry.activation_budget
+        above, below = (-1.0 if own is None else own), float("inf")
         for _ in range(attempts):
-            fitting = [b for b in self.space.budgets
-                       if above < b < below and self.fits(replace(lean, activation_budget=b))]
-            if not fitting:
-                self.notes.append(f"activation budget: none above {max(above, 0.0):g}"
-                                  f"{f' and below {below:g}' if below < 1.5 else ''} is predicted to fit "
-                                  f"{lean.label()} within {self.space.budget_gb:.2f} GB")
+            g = self._lean(best.geometry.train_micro, above, below)
+            if g is None:
+                what = "no budget" if own is None else f"no budget above {own:g}"
+                self.notes.append(f"activation budget: {what}{f' and below {below:g}' if below < 1.5 else ''} is "
+                                  f"predicted to fit micro {best.geometry.train_micro} within "
+                                  f"{self.space.budget_gb:.2f} GB")
                 return
-            r = yield from self._trial(replace(lean, activation_budget=max(fitting)))
+            r = yield from self._trial(g)
             if r is None or r.status not in MEMORY_STATUSES:
                 return
-            below = max(fitting)
+            below = g.activation_budget or 0.0
 
     def _forward(self) -> Generator[Geometry, TrialResult, None]:
         """Larger forward micro-batches for the gradient-free passes, when they take a share worth winning."""
