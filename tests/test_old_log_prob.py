@@ -59,6 +59,19 @@ def _batch(pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+def assert_same_update(reference: dict, other: dict, params: tuple | None = None, atol: float = 1e-7) -> None:
+    """`other`, what `update_actor` returned for the reference batch, is `reference`'s update: the same log-probs and
+    statistics (a gradient that moved something); with `params` = (named parameters, parameters) of the two engines
+    after the step, the same weights within `atol`."""
+    assert torch.allclose(other["old_log_probs"], reference["old_log_probs"], atol=1e-6)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert other[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+    assert reference["actor/grad_norm"] > 0
+    if params is not None:
+        for (name, a), b in zip(*params, strict=True):
+            assert torch.allclose(a, b, atol=atol), name
+
+
 def test_skipped_pass_gives_the_same_update():
     model_path = str(resolve_model("tiny"))
     case_dir = tempfile.mkdtemp(prefix="zbench-oldlp-")
