@@ -143,6 +143,38 @@ def test_slices_longer_than_one_scan(monkeypatch, trim):
     assert torch.equal(da.decode_attention(q, k2, v2, mask, 0.25), got)
 
 
+@pytest.mark.parametrize("share", [1, 4])
+def test_dense_slices_skip_the_mask_and_slices_with_holes_still_read_it(monkeypatch, share):
+    """`DENSE`: a slice kept everywhere between its first and last kept positions loops without the mask. Rows as
+    the decode loop keeps them (left padding, then every position to the current one), rows with holes, a row kept
+    nowhere (without a shared prefix, whose runs agree on it), across slices and with a shared prefix: the result equals SDPA's, and positions masked off are never
+    read (garbage there, NaN keys and huge values, changes nothing)."""
+    monkeypatch.setattr(da, "DENSE", True)
+    monkeypatch.setattr(da, "CHUNK_BLOCKS", 2)  # slices of 128: these rows cross several
+    batch, length, dim, prefix = 8, 700, 32, 300
+    g = torch.Generator().manual_seed(17 + share)
+    q = torch.randn(batch, 2, 2, dim, generator=g)
+    k, v = (torch.randn(batch, 2, length, dim, generator=g) for _ in range(2))
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for row, (start, end) in enumerate([(37, 520), (37, 520), (37, 520), (37, 520), (0, 700), (0, 700), (0, 700),
+                                        (0, 700)]):
+        mask[row, start:end] = True
+    mask[4:, 310:320] = False  # holes past the prefix
+    mask[5:8, 450] = False
+    if share == 1:
+        mask[7] = False  # a row kept nowhere
+    else:  # runs agree over the prefix (their masks do already)
+        k[:, :, :prefix] = k[::share, :, :prefix].repeat_interleave(share, 0)
+        v[:, :, :prefix] = v[::share, :, :prefix].repeat_interleave(share, 0)
+    got = da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix if share > 1 else 0)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=dim ** -0.5)
+    if share == 1:
+        expected[7] = 0.0  # SDPA's NaN for a row that attends nothing; the kernels give zeros
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    k2, v2 = k.masked_fill(~mask[:, None, :, None], float("nan")), v.masked_fill(~mask[:, None, :, None], 1e30)
+    assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5, share, prefix if share > 1 else 0), got)
+
+
 @pytest.mark.parametrize(("share", "group", "prefix", "length", "trim"), [
     (4, 2, 120, 300, True), (2, 3, 64, 300, True), (8, 1, 300, 300, True), (4, 2, 0, 300, True),
     (5, 3, 130, 300, True),  # a run of 5 rows of 3 heads: a 32-row tile, partly filled

@@ -12,7 +12,7 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              start, stop, chunk, first_split, scale,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
-             TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr):
+             TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr):
     # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1): the run's rows hold
     # the same keys, values and mask there, so the program reads them once, from the run's first row, for all of its
     # rows' queries (SHARE 1: every row on its own)
@@ -40,18 +40,28 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
         # cache's unwritten tail cost no iterations (positions masked off between them are skipped by `keep`)
         first = hi
         last = lo - 1
+        count = 0
         for at in range(lo, hi, SCAN):
             n = at + tl.arange(0, SCAN)
             inside = n < hi
             kept = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
             first = tl.minimum(first, tl.min(tl.where(kept, n, hi), 0))
             last = tl.maximum(last, tl.max(tl.where(kept, n, lo - 1), 0))
+            count += tl.sum(kept.to(tl.int32), 0)
         lo = lo + (first - lo) // BLOCK * BLOCK  # block-aligned; at or past the new `hi` when nothing is kept
         hi = last + 1
+        if DENSE:
+            # where every position from the first kept to the last is kept (left padding, then a prompt and what
+            # was generated: the decode loop's mask), the loop reads the mask below `lo` only, which is nowhere (a
+            # load whose lanes are all masked off moves nothing), and `keep` is the range alone
+            read_to = tl.where(count == hi - first, lo, hi)
     for at in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         n = at + tl.arange(0, BLOCK)
         inside = n < hi
-        keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
+        if TRIM and DENSE:
+            keep = inside & (n >= first) & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=n < read_to, other=1) != 0)
+        else:
+            keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
         k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
         # float32 caches multiply in float32, not TF32 (bf16 ones are unaffected)

@@ -48,6 +48,9 @@ MAX_SPLITS = 16
 NUM_WARPS = 4
 STAGES = 3  # software pipelining of the cache loads
 TRIM = True  # each program first finds its slice's first and last kept positions and loops only between them
+# with TRIM: a slice kept everywhere between its first and last kept positions loops without reading the mask
+# (not measured on a GPU yet, so off; `benchmarks/decode_attention_bench.py --dense on off` compares)
+DENSE = False
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
@@ -140,7 +143,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             begin, stop, chunk, first_split, scale,
             GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
             BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
-            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, num_warps=NUM_WARPS)
+            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS)
         first_split += splits
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
                              GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads)
