@@ -765,56 +765,54 @@ def critic_overlap_faster(stage: int, offload: str) -> bool:
     return stage == 3 and where.optimizer == "cpu" and where.params == "cpu"
 
 
-def checkpointed_within_peak(cfg: RunConfig) -> int | None:
-    """The fewest decoder layers `cfg` (checkpointing on) can checkpoint without raising its predicted peak on a GPU
-    (`zbench.analyze.activations`): the layers past them keep their activations in memory another phase needs
-    anyway, the KV cache of a sleeping vLLM engine above all (measured on 2 x H200 at the reference GRPO config,
-    results/reference/h200x2-ckpt-20261126). None where every layer must checkpoint, or where the KV cache is a share
-    of a device this host cannot size (`rollout.gpu_memory_utilization`)."""
+def _first_within_peak(cfg: RunConfig, purpose: str,
+                       candidates: typing.Callable[[Any], typing.Iterable[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The first of `candidates(dims)` (overrides of `cfg`, given its model's `ModelDims`) whose predicted peak on a
+    GPU (`zbench.analyze.activations`) is no higher than `cfg`'s with every layer checkpointed. None where none is,
+    or where the KV cache is a share of a device this host cannot size (`rollout.gpu_memory_utilization`)."""
     from zbench.analyze.activations import geometry_memory, model_dims
 
-    vllm = rollout_engine(cfg, True) == "vllm"
-    if not cfg.model.gradient_checkpointing or (vllm and not cfg.rollout.kv_cache_fit):
+    if rollout_engine(cfg, True) == "vllm" and not cfg.rollout.kv_cache_fit:
         return None
     try:
         dims = model_dims(cfg.model.path)
     except ValueError as err:  # the message names model.path and what it takes
-        raise ConfigError("", f"{err} (a GPU case reads its model's shape to choose which layers checkpoint)") from None
-    ceiling = geometry_memory(cfg, True, 0, dims).peak_bytes
-    for keep in range(dims.num_layers):
-        if geometry_memory(with_overrides(cfg, {"model.checkpoint_layers": keep}), True, 0, dims).peak_bytes <= ceiling:
-            return keep
-    return None
+        raise ConfigError("", f"{err} (a GPU case reads its model's shape to choose {purpose})") from None
+    every = with_overrides(cfg, {"model.gradient_checkpointing": True, "model.checkpoint_layers": None})
+    ceiling = geometry_memory(every, True, 0, dims).peak_bytes
+    return next((over for over in candidates(dims)
+                 if geometry_memory(with_overrides(cfg, over), True, 0, dims).peak_bytes <= ceiling), None)
+
+
+def checkpointed_within_peak(cfg: RunConfig) -> int | None:
+    """The fewest decoder layers `cfg` (checkpointing on) can checkpoint without raising its predicted peak on a GPU
+    (`_first_within_peak`): the layers past them keep their activations in memory another phase needs anyway, the
+    KV cache of a sleeping vLLM engine above all (measured on 2 x H200 at the reference GRPO config,
+    results/reference/h200x2-ckpt-20261126). None where every layer must checkpoint, or where the KV cache cannot
+    be sized here."""
+    if not cfg.model.gradient_checkpointing:
+        return None
+    found = _first_within_peak(cfg, "which layers checkpoint",
+                               lambda dims: ({"model.checkpoint_layers": k} for k in range(dims.num_layers)))
+    return found["model.checkpoint_layers"] if found else None
+
 
 BUDGET_STEP = 0.05  # the activation budgets the GPU defaults choose from: 0, 0.05, ..., 1
 
 
 def budget_within_peak(cfg: RunConfig) -> float:
-    """The largest activation budget (`model.activation_memory_budget`, a multiple of `BUDGET_STEP`) at which `cfg`
-    (checkpointing every layer, as given) predicts no higher peak on a GPU with its layers compiled and none
-    checkpointed (`zbench.analyze.activations`): the compiler recomputes inside each layer's backward what the
-    budget leaves out. A budget of 0 keeps what checkpointing keeps; that is the answer where the KV cache is a
-    share of a device this host cannot size (`rollout.gpu_memory_utilization`). Measured on an H200 at GRPO's
-    reference config, one rank's actor update: 1.160 s at a budget of 0 against 1.205 s with every layer
-    checkpointed, at the same peak; 1.084 s at 0.15 (+6.4 GB), 0.957 s at 1 (+29.5 GB)
+    """The largest activation budget (`model.activation_memory_budget`, a multiple of `BUDGET_STEP`) at which `cfg`,
+    its layers compiled and none checkpointed, predicts no higher peak on a GPU than with every layer checkpointed
+    (`_first_within_peak`): the compiler recomputes inside each layer's backward what the budget leaves out. A
+    budget of 0 keeps what checkpointing keeps; that is the answer where the KV cache cannot be sized here.
+    Measured on an H200 at GRPO's reference config, one rank's actor update: 1.160 s at a budget of 0 against
+    1.205 s with every layer checkpointed, at the same peak; 1.084 s at 0.15 (+6.4 GB), 0.957 s at 1 (+29.5 GB)
     (results/reference/h200x2-activation-budget-20261128)."""
-    from zbench.analyze.activations import geometry_memory, model_dims
-
-    if rollout_engine(cfg, True) == "vllm" and not cfg.rollout.kv_cache_fit:
-        return 0.0
-    try:
-        dims = model_dims(cfg.model.path)
-    except ValueError as err:  # the message names model.path and what it takes
-        raise ConfigError("", f"{err} (a GPU case reads its model's shape to choose its activation budget)") from None
-    ceiling = geometry_memory(with_overrides(cfg, {"model.gradient_checkpointing": True, "model.checkpoint_layers": None}),
-                              True, 0, dims).peak_bytes
     steps = round(1 / BUDGET_STEP)
-    for k in range(steps, 0, -1):
-        lean = with_overrides(cfg, {"model.gradient_checkpointing": False, "model.checkpoint_layers": None,
-                                    "model.activation_memory_budget": k / steps})
-        if geometry_memory(lean, True, 0, dims).peak_bytes <= ceiling:
-            return k / steps
-    return 0.0
+    lean = ({"model.gradient_checkpointing": False, "model.checkpoint_layers": None,
+             "model.activation_memory_budget": k / steps} for k in range(steps, 0, -1))
+    found = _first_within_peak(cfg, "its activation budget", lambda dims: lean)
+    return found["model.activation_memory_budget"] if found else 0.0
 
 
 # What two trials of one case may differ in when the same processes serve both (`zbench.engine.session`): the
