@@ -22,8 +22,11 @@ class _PartitionedOnCpu(PolicyWorker):
     """A worker whose decoder layers compile on the CPU as a CUDA case's do, partitioned by the min-cut partitioner
     (which the activation budget steers), with eager kernels."""
 
-    def _compiles_layers(self) -> bool:
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
         self.compile_backend = "aot_eager_decomp_partition"
+
+    def _compiles_layers(self) -> bool:
         return True
 
 
