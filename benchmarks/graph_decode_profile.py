@@ -65,6 +65,10 @@ def main() -> None:
                         help="how the decode step is compiled (GraphDecoder's compile_mode; each measured in turn, on a "
                              "fresh copy of the model): recorded as a CUDA graph, and with max-autotune its matrix "
                              "multiplies timed among Triton's templates and cuBLAS while compiling")
+    parser.add_argument("--dense", nargs="+", default=["off"], choices=("on", "off"),
+                        help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
+                             "positions loops without reading the mask (on), or reads it every block (off); each "
+                             "measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
@@ -74,6 +78,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from zbench.engine import decode_attention
     from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
     from zbench.engine.rollout import GraphDecoder
     from zbench.models import resolve_model
@@ -106,8 +111,9 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode in itertools.product(args.attention, args.merge, args.sampler,
-                                                                    args.share, args.compile_mode):
+    for attention, merge, sampler, share, mode, dense in itertools.product(
+            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense):
+        decode_attention.DENSE = dense == "on"  # read when the step is recorded
         samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
@@ -132,6 +138,7 @@ def main() -> None:
             row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
+                          "dense": dense if attention == "triton" else None,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

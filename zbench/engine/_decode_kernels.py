@@ -50,36 +50,66 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
             count += tl.sum(kept.to(tl.int32), 0)
         lo = lo + (first - lo) // BLOCK * BLOCK  # block-aligned; at or past the new `hi` when nothing is kept
         hi = last + 1
-        if DENSE:
-            # where every position from the first kept to the last is kept (left padding, then a prompt and what
-            # was generated: the decode loop's mask), the loop reads the mask below `lo` only, which is nowhere (a
-            # load whose lanes are all masked off moves nothing), and `keep` is the range alone
-            read_to = tl.where(count == hi - first, lo, hi)
-    for at in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        n = at + tl.arange(0, BLOCK)
-        inside = n < hi
-        if TRIM and DENSE:
-            keep = inside & (n >= first) & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=n < read_to, other=1) != 0)
+    if TRIM and DENSE:
+        # where every position from the first kept to the last is kept (left padding, then a prompt and what was
+        # generated: the decode loop's mask), the loop reads no mask: `keep` is the range alone, so the key and
+        # value loads wait on no other load
+        if count == hi - first:
+            acc, run_max, run_sum = _range_loop(q, k_ptr, v_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, lo, hi,
+                                                first, scale, acc, run_max, run_sum, d, BLOCK, STAGES)
         else:
-            keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
-        # float32 caches multiply in float32, not TF32 (bf16 ones are unaffected)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (ROWS, BLOCK), float32
-        scores = tl.where(keep[None, :], scores, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(scores, 1))
-        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no kept position yet: nothing to rescale
-        p = tl.exp(scores - base[:, None])
-        rescale = tl.exp(run_max - base)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        run_sum = run_sum * rescale + tl.sum(p, 1)
-        run_max = new_max
+            acc, run_max, run_sum = _mask_loop(q, k_ptr, v_ptr, mask_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                                               sm_b, sm_n, lo, hi, scale, acc, run_max, run_sum, d, BLOCK, STAGES)
+    else:
+        acc, run_max, run_sum = _mask_loop(q, k_ptr, v_ptr, mask_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                                           sm_b, sm_n, lo, hi, scale, acc, run_max, run_sum, d, BLOCK, STAGES)
     # each row's own tile rows (GROUP_P2 of them, the padding's zeros past GROUP) go to the combine, at its slice
     slot = ((row * HEADS + h) * SPLITS + first_split + s) * GROUP_P2 + g
     kept_rows = r // GROUP_P2 < SHARE
     tl.store(acc_ptr + slot[:, None] * DIM + d[None, :], acc, mask=kept_rows[:, None])
     tl.store(max_ptr + slot, run_max, mask=kept_rows)
     tl.store(sum_ptr + slot, run_sum, mask=kept_rows)
+
+
+@triton.jit
+def _step(q, k, v, keep, scale, acc, run_max, run_sum):
+    # one block of positions into the running max, normaliser and weighted sum; float32 caches multiply in float32,
+    # not TF32 (bf16 ones are unaffected)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (ROWS, BLOCK), float32
+    scores = tl.where(keep[None, :], scores, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(scores, 1))
+    base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no kept position yet: nothing to rescale
+    p = tl.exp(scores - base[:, None])
+    rescale = tl.exp(run_max - base)
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, new_max, run_sum * rescale + tl.sum(p, 1)
+
+
+@triton.jit
+def _mask_loop(q, k_ptr, v_ptr, mask_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n, lo, hi, scale,
+               acc, run_max, run_sum, d, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    # the blocks lo..hi-1, a position read where the row's mask keeps it
+    for at in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        n = at + tl.arange(0, BLOCK)
+        inside = n < hi
+        keep = inside & (tl.load(mask_ptr + b * sm_b + n * sm_n, mask=inside, other=0) != 0)
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+        acc, run_max, run_sum = _step(q, k, v, keep, scale, acc, run_max, run_sum)
+    return acc, run_max, run_sum
+
+
+@triton.jit
+def _range_loop(q, k_ptr, v_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, lo, hi, first, scale, acc, run_max,
+                run_sum, d, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    # the blocks lo..hi-1 where every position from `first` to hi-1 is kept: no mask to read
+    for at in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        n = at + tl.arange(0, BLOCK)
+        keep = (n >= first) & (n < hi)
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+        acc, run_max, run_sum = _step(q, k, v, keep, scale, acc, run_max, run_sum)
+    return acc, run_max, run_sum
 
 
 @triton.jit

@@ -48,9 +48,10 @@ MAX_SPLITS = 16
 NUM_WARPS = 4
 STAGES = 3  # software pipelining of the cache loads
 TRIM = True  # each program first finds its slice's first and last kept positions and loops only between them
-# with TRIM: a slice kept everywhere between its first and last kept positions loops without reading the mask
-# (not measured on a GPU yet, so off; `benchmarks/decode_attention_bench.py --dense on off` compares)
-DENSE = False
+# with TRIM: a slice kept everywhere between its first and last kept positions (the decode loop's rows) loops without
+# reading the mask, so its key and value loads wait on no other load; a slice with holes reads it every block
+# (`benchmarks/decode_attention_bench.py --dense on off` and `graph_decode_profile.py --dense on off` compare)
+DENSE = True
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
