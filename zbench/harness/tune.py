@@ -60,9 +60,10 @@ from zbench.runroot.tuning import (
 )
 
 TRIAL_STEPS = 3  # a warm-up step, then timed steps (the steady-state rule skips step 1)
-# the activation budgets a case whose layers compile may try (`zbench.harness.tune_search.Search._budget`): the
-# points where the update's time and memory were measured (results/reference/h200x2-activation-budget-20261128)
-TUNE_BUDGETS = (0.0, 0.15, 0.3, 0.5, 1.0)
+# the activation budgets a case whose layers compile may try (`zbench.harness.tune_search.Search._budget`): steps of
+# 0.05 up to 0.5, where a GB buys the most time (results/reference/h200x2-activation-budget-20261128), so the search
+# can stop close under a memory budget instead of at the next of 0, 0.15, 0.3 below it; then 0.75 and 1
+TUNE_BUDGETS = (*(round(0.05 * i, 2) for i in range(11)), 0.75, 1.0)
 TIGHT_PEAK = 0.9  # a chosen peak above this share of the memory budget is pointed out (longer batches need more)
 
 
