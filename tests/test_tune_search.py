@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zbench.harness.tune import out_of_time
-from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
+from zbench.harness.tune_search import (
+    OK,
+    OVER_BUDGET,
+    SLOPES,
+    Geometry,
+    Phases,
+    Search,
+    Space,
+    TrialResult,
+    calibrate,
+    divisors,
+)
 
 
 def space(budget: float = 100.0, predict: Callable[[Geometry], float] = lambda g: 1.0, start: int = 2,
@@ -158,8 +169,56 @@ def test_the_measured_offset_corrects_the_prediction() -> None:
     search = drive(space(budget=10, predict=lambda g: float(g.train_micro), checkpointing=(False,)),
                    timed({2: 1.0, 4: 0.8}, peak=lambda g: g.train_micro + 5.0))
     assert tried(search) == [(2, 0, False), (4, 0, False)]
-    assert search.offset_gb() == 5.0
+    assert search.predicted_gb(Geometry(8, 0, False)) == 13.0
     assert any("micro 8: not tried, predicted 13.00 GB" in n for n in search.notes)
+
+
+def test_calibrate_shifts_by_one_trial_and_takes_the_slope_two_show() -> None:
+    assert calibrate([], 7.0) == 7.0  # nothing measured: the model
+    assert calibrate([(10.0, 13.0)], 20.0) == 23.0  # one trial: the model shifted by what it measured above it
+    assert calibrate([(10.0, 13.0), (10.0, 14.0)], 12.0) == 16.0  # one model figure: the largest measurement
+    # between two trials: on the line through them; past them, along the slope they show
+    points = [(10.0, 20.0), (20.0, 25.0)]
+    assert calibrate(points, 15.0) == 22.5
+    assert calibrate(points, 30.0) == 30.0
+    assert calibrate(points, 4.0) == 17.0
+    # figures closer than SLOPE_SPREAD_GB tell no slope from noise: the model's own, from the nearest
+    assert calibrate([(10.0, 20.0), (10.5, 20.1)], 20.5) == 30.1
+    # least squares over several; a slope out of SLOPES is held to its bounds
+    assert abs(calibrate([(0.0, 0.0), (10.0, 6.0), (20.0, 10.0)], 30.0) - 15.0) < 1e-9
+    assert calibrate([(0.0, 5.0), (10.0, 5.0)], 20.0) == 5.0 + 10 * SLOPES[0]
+    assert calibrate([(0.0, 0.0), (10.0, 50.0)], 20.0) == 50.0 + 10 * SLOPES[1]
+
+
+def test_phases_calibrate_apart_so_a_budget_that_fits_is_found() -> None:
+    """GRPO at the reference config on 2 x H200 (results/reference/h200x2-dense-20261128), micro-batch 32: the
+    rollout's KV cache sets the peak at the case's budget (0.05), and the memory model counts every sequence at full
+    length, so it grows the training phase about 1.75 times as fast as it grew there. Calibrated whole, the first
+    trials' peaks are the rollout's, which say nothing of training: the search walks up a step at a time and its
+    last attempt runs over budget short of 0.2. Phase by phase, the second trial shows training's slope and the
+    third lands on 0.2, the largest budget within 28 GB."""
+    budgets = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+
+    def model(g: Geometry) -> Phases:  # the memory model's figures for this case (GB)
+        return Phases(gen=21.22, train=7.22 + 8.0 + 64.0 * (g.activation_budget or 0.0))
+
+    def world(g: Geometry) -> TrialResult:  # what the GPU measured: 21.84 GB trained at 0.05, 26.76 at 0.2
+        m = model(g)
+        phases = Phases(gen=24.41, train=21.84 + (m.train - model(start).train) / 1.75)
+        peak = max(phases.gen, phases.train)
+        step = 1.0 - 0.3 * (g.activation_budget or 0.0)
+        return TrialResult(g, OK if peak <= 28.0 else OVER_BUDGET, step, peak, 0.0, step, phases)
+
+    start = Geometry(32, 0, False, activation_budget=0.05)
+    common = dict(train_micros=(32,), forward_micros=(), checkpointing=(False,), start=start, budget_gb=28.0,
+                  budgets=budgets, predict_gb=lambda g: max(model(g).gen, model(g).train))
+    whole = drive(Space(**common), world)
+    assert [(t.geometry.activation_budget, t.status) for t in whole.trials] == [
+        (0.05, OK), (0.1, OK), (0.15, OK), (0.25, OVER_BUDGET)]
+    phased = drive(Space(**common, predict_phases=model), world)
+    assert [(t.geometry.activation_budget, t.status) for t in phased.trials] == [(0.05, OK), (0.1, OK), (0.2, OK)]
+    assert phased.best().geometry.activation_budget == 0.2
+    assert "activation budget: no budget above 0.2 is predicted to fit micro 32 within 28.00 GB" in phased.notes
 
 
 def test_an_over_budget_start_shrinks_until_one_fits() -> None:

@@ -62,7 +62,18 @@ class GeometryMemory:
         The graph loop's KV cache is recorded into its CUDA graph by address: given back after each rollout at
         those addresses (`rollout.release_kv_cache`) it is `kv_cache`, else it stays allocated while the model
         trains (`held_kv`)."""
-        return self.states + self.critic + self.held_kv + max(self.training, self.forward, self.kv_cache)
+        return max(self.gen_bytes, self.train_bytes)
+
+    @property
+    def gen_bytes(self) -> int:
+        """What the rollout phase holds: what stays through every phase, and the rollout's KV cache."""
+        return self.states + self.critic + self.held_kv + self.kv_cache
+
+    @property
+    def train_bytes(self) -> int:
+        """What the training phase holds: what stays through every phase, and the larger of the training and the
+        gradient-free micro-batch (one process runs them one after the other, its allocator keeping the larger)."""
+        return self.states + self.critic + self.held_kv + max(self.training, self.forward)
 
     @property
     def peak_gb(self) -> float:

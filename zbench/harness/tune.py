@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from zbench.analyze.activations import geometry_memory, model_dims
+from zbench.analyze.activations import GeometryMemory, geometry_memory, model_dims
 from zbench.analyze.memory import GIB
 from zbench.config import RunConfig, dotted_value, with_overrides
 from zbench.harness.launch import (
@@ -44,7 +44,7 @@ from zbench.harness.progress import make_progress
 from zbench.harness.runner_profile import RunnerProfile, load_runner_profile
 from zbench.harness.runs import RunRequest, describe_device_defaults, plan_cases, prepare_models
 from zbench.harness.sessions import TrialServer
-from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Search, Space, TrialResult, divisors
+from zbench.harness.tune_search import OK, OVER_BUDGET, Geometry, Phases, Search, Space, TrialResult, divisors
 from zbench.runroot import casedir
 from zbench.runroot.root import RunRoot
 from zbench.runroot.summary import case_summary_row, steady_records
@@ -169,16 +169,20 @@ def case_space(case: Case, budget_gb: float, on_cuda: bool, device_bytes: int) -
                      activation_budget=cfg.model.activation_memory_budget if keys["activation_budget"] else None)
     dims = model_dims(cfg.model.path)
 
-    def predict(g: Geometry) -> float:
-        return geometry_memory(with_overrides(cfg, geometry_overrides(keys, constant, g)), on_cuda,
-                               device_bytes, dims).peak_gb
+    def memory(g: Geometry) -> GeometryMemory:
+        return geometry_memory(with_overrides(cfg, geometry_overrides(keys, constant, g)), on_cuda, device_bytes, dims)
+
+    def phases(g: Geometry) -> Phases:
+        m = memory(g)
+        return Phases(gen=m.gen_bytes / GIB, train=m.train_bytes / GIB)
 
     space = Space(
         train_micros=divisors(plan.mini_batch_sequences // cfg.trainer.world_size) if keys["train"]
         else (start.train_micro,),
         forward_micros=divisors(plan.sequences_per_rank) if keys["forward"] else (),
         checkpointing=(False, True) if keys["checkpointing"] else (cfg.model.gradient_checkpointing,),
-        start=start, budget_gb=budget_gb, predict_gb=predict,
+        start=start, budget_gb=budget_gb, predict_gb=lambda g: memory(g).peak_gb,
+        predict_phases=phases if on_cuda else None,  # a GPU trial measures memory at the end of each phase
         num_layers=dims.num_layers if keys["checkpoint_layers"] else 0,
         budgets=TUNE_BUDGETS if keys["activation_budget"] else (),
     )
@@ -215,7 +219,9 @@ def _trial_row(root: RunRoot, tune: CaseTune, name: str, g: Geometry, cfg: RunCo
     forward = sum(v for p in FORWARD_PHASES if (v := phases[p]) is not None)
     measured = [v for p in GEOMETRY_PHASES if (v := phases[p]) is not None]
     geometry = sum(measured) if measured else None
-    result = TrialResult(g, state, step, peak, forward, geometry)
+    gen, train = num(row.get("device_memory_gen_gb", "")), num(row.get("device_memory_train_gb", ""))
+    by_phase = Phases(gen, train) if on_cuda and gen is not None and train is not None else None
+    result = TrialResult(g, state, step, peak, forward, geometry, by_phase)
     values = {k: dotted_value(cfg, k) for k in GEOMETRY_KEYS
               if (cfg.needs_critic or not k.startswith("critic.")) and (k in tune.constant or not k.startswith("rollout."))}
     tsv = {"case": tune.case.name, "trial": name, **values, "status": state, "step_s": step, "geometry_s": geometry,
@@ -344,7 +350,8 @@ class _Tuner:
         overrides = {**tune.overrides(g), "steps": self.req.steps, "name": trial, "trainer.profile_step": 0,
                      "trainer.save_freq": 0, "trainer.logger": ["console"]}
         cfg = with_overrides(tune.case.config, overrides)
-        model_gb, offset_gb = tune.search.space.predict_gb(g), tune.search.offset_gb()
+        model_gb, predicted_gb = tune.search.space.predict_gb(g), tune.search.predicted_gb(g)
+        calibrated_by = len(tune.search.measured())
         self.root.update_manifest(cases=[*self.root.manifest["cases"], {
             "name": trial, "dir": trial, "overrides": {**tune.case.overrides, **overrides}}])
         server = self.server(tune.case.name)
@@ -374,9 +381,11 @@ class _Tuner:
         self.rows.append(row)
         step = f"step {result.step_s:.3f} s{_geometry_part(result)}" if result.step_s is not None else "no timed step"
         peak = f"peak {result.peak_gb:.2f} GB" if result.peak_gb is not None else "no memory figure"
+        by = f"calibrated by {calibrated_by} earlier trial{'s' if calibrated_by > 1 else ''} of this case" \
+            if calibrated_by else "not calibrated yet"
         self.say(f"{tune.case.name} trial {number} ({trial}): {g.label()} -> {result.status}, {step}, {peak} "
-                 f"(predicted {model_gb + offset_gb:.2f} GB: memory model {model_gb:.2f} + offset measured on this "
-                 f"case {offset_gb:.2f}){'; ' + row['reason'] if row['reason'] else ''}")
+                 f"(predicted {predicted_gb:.2f} GB: memory model {model_gb:.2f}, {by})"
+                 f"{'; ' + row['reason'] if row['reason'] else ''}")
         return result, stop
 
     def _session_warnings(self, trial: str, status: dict[str, Any], server: TrialServer) -> dict[str, Any]:

@@ -12,21 +12,32 @@ Pure logic on trial results (no process is started here), in the order an engine
    where the layers are compiled and checkpointing may be off, the activation budget instead of fewer
    checkpointed layers: where memory stopped the growth, larger micro-batches at the largest budget predicted to
    fit them, while faster; then, at the best micro-batch, no layer checkpointed and the largest budget above its
-   own predicted to fit (the compiler recomputes the rest inside the layer's backward, which costs less than
-   checkpointing the same memory away);
+   own predicted to fit, and from each such trial on, above it where it fitted or below it where it did not (the
+   compiler recomputes the rest inside the layer's backward, which costs less than checkpointing the same memory
+   away);
 3. the forward micro-batch of the gradient-free passes, only when those passes take a share of the step worth
    winning: grow from the training micro-batch while faster.
 
-Predictions are the memory model's (`zbench.analyze.activations`) plus an offset measured on the case's trials:
-what no formula holds (runtime, allocator, interpreter) is the same at every geometry.
+Predictions are the memory model's (`zbench.analyze.activations`), calibrated by what the case's trials measured
+(`calibrate`). Where a trial measures each phase (on a GPU: memory in use at the end of the rollout and of
+training), each phase is calibrated on its own and the larger is the peak; a CPU's one figure is calibrated whole.
+One trial shifts the model by what it measured above it (the runtime, allocator and interpreter no formula holds);
+two or more whose figures differ also correct its slope. The model counts every sequence at full length: at GRPO's
+reference config it grows the training phase by 8.6 GB from activation budget 0.05 to 0.2, where an H200 measured
+4.9 (results/reference/h200x2-dense-20261128), so a shift alone keeps the search from budgets that fit.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 
 OK, OVER_BUDGET = "ok", "over_budget"
+# `calibrate`: trials whose model figures lie closer than this tell no slope apart from the measurements' noise
+SLOPE_SPREAD_GB = 2.0
+SLOPES = (0.25, 2.0)  # the measured-over-model slope a calibration may take, at least and at most
 MEMORY_STATUSES = (OVER_BUDGET, "oom")  # the trial ran out of the budget (or of the device)
 TOLERANCE = 0.03  # a step must be this much faster to count as faster: the noise of a few timed steps
 MAX_TRIALS = 10  # per case: a search that has not settled by then is stopped, with a note
@@ -54,6 +65,15 @@ class Geometry:
 
 
 @dataclass(frozen=True, slots=True)
+class Phases:
+    """GB in use by the two phases that take turns with the memory: the rollout (its KV cache) and training (the
+    passes' activations and logits). The case's peak is the larger, unless something peaks in between."""
+
+    gen: float
+    train: float
+
+
+@dataclass(frozen=True, slots=True)
 class TrialResult:
     """What a trial measured, as steady means: `step_s` of `timing_s/step`, `forward_s` of its gradient-free passes,
     `geometry_s` of the phases batch geometry changes (the updates and the gradient-free passes)."""
@@ -64,6 +84,7 @@ class TrialResult:
     peak_gb: float | None = None
     forward_s: float | None = None
     geometry_s: float | None = None
+    phases: Phases | None = None  # each phase's memory, where the trial measured them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +97,8 @@ class Space:
     start: Geometry
     budget_gb: float
     predict_gb: Callable[[Geometry], float]  # the memory model's per-rank (CPU: per-host) peak
+    # the memory model's per-phase figures, where the trials measure phases (a GPU); None: the peak is calibrated whole
+    predict_phases: Callable[[Geometry], Phases] | None = None
     num_layers: int = 0  # decoder layers, where checkpointing fewer of them may be tried (0: it may not)
     budgets: tuple[float, ...] = ()  # ascending activation budgets to try, where the layers compile (): not tuned
     tolerance: float = TOLERANCE
@@ -92,14 +115,23 @@ class Search:
 
     # ---------------------------------------------------------------- what the trials say
 
-    def offset_gb(self) -> float:
-        """Measured minus predicted peak, the largest over the trials that measured one (0 before any)."""
-        gaps = [t.peak_gb - self.space.predict_gb(t.geometry) for t in self.trials if t.peak_gb is not None]
-        return max(gaps, default=0.0)
+    def measured(self) -> list[TrialResult]:
+        """The trials that measured a peak, which calibrate the memory model."""
+        return [t for t in self.trials if t.peak_gb is not None]
 
     def predicted_gb(self, g: Geometry) -> float:
-        """The memory model's peak for `g`, corrected by what the trials measured."""
-        return self.space.predict_gb(g) + self.offset_gb()
+        """The memory model's peak for `g`, calibrated by what the trials measured (`calibrate`): phase by phase
+        where the trials measured phases, plus the most any of them peaked above both of its phases."""
+        s, measured = self.space, self.measured()
+        phased = [t for t in measured if t.phases is not None]
+        if s.predict_phases is None or not phased:
+            return calibrate([(s.predict_gb(t.geometry), t.peak_gb) for t in measured], s.predict_gb(g))
+        model = s.predict_phases(g)
+        models = [s.predict_phases(t.geometry) for t in phased]
+        gen = calibrate([(m.gen, t.phases.gen) for m, t in zip(models, phased, strict=True)], model.gen)
+        train = calibrate([(m.train, t.phases.train) for m, t in zip(models, phased, strict=True)], model.train)
+        between = max(t.peak_gb - max(t.phases.gen, t.phases.train) for t in phased)
+        return max(gen, train) + max(0.0, between)
 
     def fits(self, g: Geometry) -> bool:
         """Whether `g` is predicted to stay within the budget."""
@@ -308,8 +340,9 @@ class Search:
 
     def _budget(self, attempts: int = 3) -> Generator[Geometry, TrialResult, None]:
         """Where the layers compile: the best geometry's micro-batch with no layer checkpointed and the largest
-        activation budget above its own predicted to fit; after a trial over budget, the largest below it predicted
-        to fit with that trial counted, `attempts` trials at most. The trials compete with the rest."""
+        activation budget above its own predicted to fit; then, with that trial's measurement counted, the largest
+        predicted to fit above it (it fitted) or below it (it ran over budget), `attempts` trials at most. The
+        trials compete with the rest."""
         best = self.best()
         if best is None:
             return
@@ -318,15 +351,18 @@ class Search:
         for _ in range(attempts):
             g = self._lean(best.geometry.train_micro, above, below)
             if g is None:
-                what = "no budget" if own is None else f"no budget above {own:g}"
+                what = "no budget" if above < 0 else f"no budget above {above:g}"
                 self.notes.append(f"activation budget: {what}{f' and below {below:g}' if below < 1.5 else ''} is "
                                   f"predicted to fit micro {best.geometry.train_micro} within "
                                   f"{self.space.budget_gb:.2f} GB")
                 return
             r = yield from self._trial(g)
-            if r is None or r.status not in MEMORY_STATUSES:
+            if r is None or r.status not in (OK, *MEMORY_STATUSES):
                 return
-            below = g.activation_budget or 0.0
+            if r.status == OK:
+                above = g.activation_budget or 0.0
+            else:
+                below = g.activation_budget or 0.0
 
     def _forward(self) -> Generator[Geometry, TrialResult, None]:
         """Larger forward micro-batches for the gradient-free passes, when they take a share worth winning."""
@@ -352,6 +388,30 @@ class Search:
             if r is None or not self.faster(r, best):
                 return
             best = r
+
+
+def calibrate(points: list[tuple[float, float]], x: float) -> float:
+    """What a trial would measure where the memory model says `x` GB, from the (model, measured) GB of the trials
+    that ran. With none: `x`. Between two trials' model figures: on the line through their measurements. Elsewhere:
+    from the nearest trial, along the slope the trials show (least squares, within `SLOPES`) where their model
+    figures spread over `SLOPE_SPREAD_GB` or more, else along the model's own (a shift by what was measured above
+    it). Trials at one model figure count as the largest they measured."""
+    if not points:
+        return x
+    largest: dict[float, float] = {}
+    for px, py in points:
+        largest[px] = max(py, largest.get(px, -math.inf))
+    xs = sorted(largest)
+    for lo, hi in itertools.pairwise(xs):
+        if lo <= x <= hi:
+            return largest[lo] + (largest[hi] - largest[lo]) * (x - lo) / (hi - lo)
+    slope = 1.0
+    if xs[-1] - xs[0] >= SLOPE_SPREAD_GB:
+        mx, my = sum(xs) / len(xs), sum(largest.values()) / len(xs)
+        fitted = sum((px - mx) * (largest[px] - my) for px in xs) / sum((px - mx) ** 2 for px in xs)
+        slope = min(max(fitted, SLOPES[0]), SLOPES[1])
+    near = xs[-1] if x > xs[-1] else xs[0]
+    return largest[near] + slope * (x - near)
 
 
 def divisors(n: int) -> tuple[int, ...]:
