@@ -71,9 +71,9 @@ def main() -> None:
     parser.add_argument("--trim", nargs="+", default=["on"], choices=("on", "off"),
                         help="each program loops only between its slice's first and last kept positions (on, the "
                              "default), or over the whole slice")
-    parser.add_argument("--dense", nargs="+", default=["off"], choices=("on", "off"),
+    parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
                         help="with the trim: a slice kept everywhere between its first and last kept positions "
-                             "loops without reading the mask (on), or reads it every block (off, the default)")
+                             "loops without reading the mask (on, the default), or reads it every block (off)")
     args = parser.parse_args()
 
     length = args.width + args.new_tokens

@@ -65,9 +65,9 @@ def main() -> None:
                         help="how the decode step is compiled (GraphDecoder's compile_mode; each measured in turn, on a "
                              "fresh copy of the model): recorded as a CUDA graph, and with max-autotune its matrix "
                              "multiplies timed among Triton's templates and cuBLAS while compiling")
-    parser.add_argument("--dense", nargs="+", default=["off"], choices=("on", "off"),
+    parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
                         help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
-                             "positions loops without reading the mask (on), or reads it every block (off); each "
+                             "positions loops without reading the mask (on, the default), or reads it every block (off); each "
                              "measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "

@@ -164,7 +164,7 @@ def test_where_memory_stops_the_growth_larger_micro_batches_are_tried_at_lower_b
     assert "activation budget: no budget above 0 is predicted to fit micro 32 within 12.00 GB" in search.notes
 
 
-def test_the_measured_offset_corrects_the_prediction() -> None:
+def test_what_a_trial_measured_above_the_model_corrects_the_prediction() -> None:
     # the model says 1 GB per sequence; the trials measure 5 GB more (runtime, allocator): 8 then cannot fit in 10
     search = drive(space(budget=10, predict=lambda g: float(g.train_micro), checkpointing=(False,)),
                    timed({2: 1.0, 4: 0.8}, peak=lambda g: g.train_micro + 5.0))
@@ -188,6 +188,34 @@ def test_calibrate_shifts_by_one_trial_and_takes_the_slope_two_show() -> None:
     assert abs(calibrate([(0.0, 0.0), (10.0, 6.0), (20.0, 10.0)], 30.0) - 15.0) < 1e-9
     assert calibrate([(0.0, 5.0), (10.0, 5.0)], 20.0) == 5.0 + 10 * SLOPES[0]
     assert calibrate([(0.0, 0.0), (10.0, 50.0)], 20.0) == 50.0 + 10 * SLOPES[1]
+
+
+def test_the_recorded_tune_predicts_the_budgets_that_fit_from_its_own_trials() -> None:
+    """The five trials of `zbench tune` on GRPO ZeRO-2 within 28 GB (results/reference/h200x2-dense-20261128,
+    gpu-tune-grpo-z2): the memory model's phases for each geometry (`zbench.harness.tune.case_space` at the reference
+    config) and what each trial measured at the end of the rollout and of training. Budgets 0.2 and 0.25 at
+    micro-batch 32 then ran as cases on 2 x H200: 26.76 and 28.40 GB. Calibrated on the two trials that differ from
+    them in the budget alone, the prediction lands within 0.25 GB of both, on the right side of 28; fitted across
+    the micro-batch and checkpointing trials too, it put 0.2 at 28.7 GB."""
+    model = {Geometry(32, 0, False, activation_budget=0.05): 18.437, Geometry(16, 0, False, activation_budget=0.05): 15.145,
+             Geometry(64, 0, True, activation_budget=0.05): 18.603, Geometry(64, 0, False, activation_budget=0.0): 18.603,
+             Geometry(32, 0, False, activation_budget=0.1): 21.645, Geometry(32, 0, False, activation_budget=0.2): 27.041,
+             Geometry(32, 0, False, activation_budget=0.25): 29.228}
+    trials = [(Geometry(32, 0, False, activation_budget=0.05), 24.6669, 22.0927),
+              (Geometry(16, 0, False, activation_budget=0.05), 24.6962, 18.079),
+              (Geometry(64, 0, True, activation_budget=0.05), 24.6962, 20.5848),
+              (Geometry(64, 0, False, activation_budget=0.0), 24.6962, 20.2294),
+              (Geometry(32, 0, False, activation_budget=0.1), 24.6962, 23.8973)]
+    search = Search(Space(train_micros=(16, 32, 64), forward_micros=(), checkpointing=(False, True),
+                          start=trials[0][0], budget_gb=28.0, budgets=(0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3),
+                          predict_gb=lambda g: max(21.216, model[g]),
+                          predict_phases=lambda g: Phases(gen=21.216, train=model[g])))
+    search.trials = [TrialResult(g, OK, 3.0, max(gen, train), 0.0, 1.0, Phases(gen, train)) for g, gen, train in trials]
+    at_02, at_025 = (search.predicted_gb(Geometry(32, 0, False, activation_budget=b)) for b in (0.2, 0.25))
+    assert abs(at_02 - 26.76) < 0.25 and at_02 <= 28.0
+    assert abs(at_025 - 28.40) < 0.25 and at_025 > 28.0
+    assert len(search.calibrating(Geometry(32, 0, False, activation_budget=0.2))) == 2
+    assert len(search.calibrating(Geometry(128, 0, False, activation_budget=0.0))) == 5  # no peer: every trial
 
 
 def test_phases_calibrate_apart_so_a_budget_that_fits_is_found() -> None:

@@ -18,7 +18,9 @@ The terms are upper bounds at full length (every sequence `data.max_prompt_lengt
   vLLM's is (`rollout.release_kv_cache`), or else held through training.
 
 What no formula holds (the CUDA context, allocator slack, the runtime's own buffers, a CPU process's interpreter
-and libraries) is measured once per case by the tuner and added as an offset (`zbench.harness.tune`).
+and libraries), and how far the full-length bound is from the sequences a case really trains on, the tuner measures
+on the case's trials and calibrates the model with (`zbench.harness.tune_search.calibrate`), phase by phase
+(`GeometryMemory.gen_bytes`, `train_bytes`) where a GPU measures phases.
 """
 
 from __future__ import annotations

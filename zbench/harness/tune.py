@@ -351,7 +351,7 @@ class _Tuner:
                      "trainer.save_freq": 0, "trainer.logger": ["console"]}
         cfg = with_overrides(tune.case.config, overrides)
         model_gb, predicted_gb = tune.search.space.predict_gb(g), tune.search.predicted_gb(g)
-        calibrated_by = len(tune.search.measured())
+        calibrated_by = len(tune.search.calibrating(g))
         self.root.update_manifest(cases=[*self.root.manifest["cases"], {
             "name": trial, "dir": trial, "overrides": {**tune.case.overrides, **overrides}}])
         server = self.server(tune.case.name)

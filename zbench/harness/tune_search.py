@@ -22,7 +22,9 @@ Predictions are the memory model's (`zbench.analyze.activations`), calibrated by
 (`calibrate`). Where a trial measures each phase (on a GPU: memory in use at the end of the rollout and of
 training), each phase is calibrated on its own and the larger is the peak; a CPU's one figure is calibrated whole.
 One trial shifts the model by what it measured above it (the runtime, allocator and interpreter no formula holds);
-two or more whose figures differ also correct its slope. The model counts every sequence at full length: at GRPO's
+between trials the prediction follows the line through their measurements, and past them the slope they show where
+their model figures lie 2 GB apart or more (`SLOPE_SPREAD_GB`), taken along the activation budget alone where
+trials differ in nothing else (`Search.calibrating`). The model counts every sequence at full length: at GRPO's
 reference config it grows the training phase by 8.6 GB from activation budget 0.05 to 0.2, where an H200 measured
 4.9 (results/reference/h200x2-dense-20261128), so a shift alone keeps the search from budgets that fit.
 """
@@ -115,22 +117,29 @@ class Search:
 
     # ---------------------------------------------------------------- what the trials say
 
-    def measured(self) -> list[TrialResult]:
-        """The trials that measured a peak, which calibrate the memory model."""
-        return [t for t in self.trials if t.peak_gb is not None]
+    def calibrating(self, g: Geometry) -> list[TrialResult]:
+        """The trials that calibrate the memory model's prediction for `g`: those that measured what is calibrated
+        (each phase where the model gives phases and they measured them, else the peak), and of those, the ones
+        that differ from `g` in their activation budget alone where there are any. The model errs by different
+        amounts along different knobs (at GRPO's reference config, training grew 0.57 GB a GB the model added
+        along the budget, about 1.2 along the micro-batch), so a slope is taken along the knob that moves."""
+        phased = self.space.predict_phases is not None and any(t.phases is not None for t in self.trials)
+        measured = [t for t in self.trials if (t.phases if phased else t.peak_gb) is not None]
+        peers = [t for t in measured if replace(t.geometry, activation_budget=g.activation_budget) == g]
+        return peers or measured
 
     def predicted_gb(self, g: Geometry) -> float:
-        """The memory model's peak for `g`, calibrated by what the trials measured (`calibrate`): phase by phase
-        where the trials measured phases, plus the most any of them peaked above both of its phases."""
-        s, measured = self.space, self.measured()
-        phased = [t for t in measured if t.phases is not None]
-        if s.predict_phases is None or not phased:
-            return calibrate([(s.predict_gb(t.geometry), t.peak_gb) for t in measured], s.predict_gb(g))
+        """The memory model's peak for `g`, calibrated by what the trials measured (`calibrate`, on the trials of
+        `calibrating`): phase by phase where the trials measured phases, plus the most any of them peaked above
+        both of its phases."""
+        s, trials = self.space, self.calibrating(g)
+        if not trials or trials[0].phases is None or s.predict_phases is None:
+            return calibrate([(s.predict_gb(t.geometry), t.peak_gb) for t in trials], s.predict_gb(g))
         model = s.predict_phases(g)
-        models = [s.predict_phases(t.geometry) for t in phased]
-        gen = calibrate([(m.gen, t.phases.gen) for m, t in zip(models, phased, strict=True)], model.gen)
-        train = calibrate([(m.train, t.phases.train) for m, t in zip(models, phased, strict=True)], model.train)
-        between = max(t.peak_gb - max(t.phases.gen, t.phases.train) for t in phased)
+        models = [s.predict_phases(t.geometry) for t in trials]
+        gen = calibrate([(m.gen, t.phases.gen) for m, t in zip(models, trials, strict=True)], model.gen)
+        train = calibrate([(m.train, t.phases.train) for m, t in zip(models, trials, strict=True)], model.train)
+        between = max(t.peak_gb - max(t.phases.gen, t.phases.train) for t in trials)
         return max(gen, train) + max(0.0, between)
 
     def fits(self, g: Geometry) -> bool:
