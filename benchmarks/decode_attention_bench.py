@@ -74,9 +74,6 @@ def main() -> None:
     parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
                         help="with the trim: a slice kept everywhere between its first and last kept positions "
                              "loops without reading the mask (on, the default), or reads it every block (off)")
-    parser.add_argument("--one-launch", nargs="+", default=["on"], choices=("on", "off"),
-                        help="one launch a call, whose last program for a (row, head) merges its slices (on, the "
-                             "default), or a launch a range of positions and one to merge (off)")
     args = parser.parse_args()
 
     length = args.width + args.new_tokens
@@ -108,15 +105,14 @@ def main() -> None:
         sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask[:, None, None, :],
                                                scale=scale), args.layers, args.repeats)
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
-        for block, chunk, warps, stages, trim, share, dense, one_launch in itertools.product(
-                args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense,
-                args.one_launch):
+        for block, chunk, warps, stages, trim, share, dense in itertools.product(
+                args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense):
             if batch % share:
                 continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
-            da.DENSE, da.ONE_LAUNCH = dense == "on", one_launch == "on"
+            da.DENSE = dense == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
-                              "stages": stages, "trim": trim, "share": share, "dense": dense, "one_launch": one_launch,
+                              "stages": stages, "trim": trim, "share": share, "dense": dense,
                               "splits": sum(cut[3] for cut in da.plan(length, da.triton.next_power_of_2(group), share,
                                                                        args.width if share > 1 else 0))}
             cache, reference = runs_of(share)

@@ -69,10 +69,6 @@ def main() -> None:
                         help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
                              "positions loops without reading the mask (on, the default), or reads it every block (off); each "
                              "measured in turn, on a fresh copy of the model")
-    parser.add_argument("--one-launch", nargs="+", default=["on"], choices=("on", "off"),
-                        help="the Triton attention's `ONE_LAUNCH`: one launch a call, whose last program for a (row, "
-                             "head) merges its slices (on, the default), or a launch a range of positions and one to "
-                             "merge (off); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
@@ -115,10 +111,9 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense, one_launch in itertools.product(
-            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_launch):
+    for attention, merge, sampler, share, mode, dense in itertools.product(
+            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense):
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
-        decode_attention.ONE_LAUNCH = one_launch == "on"
         samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
@@ -144,7 +139,6 @@ def main() -> None:
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
                           "dense": dense if attention == "triton" else None,
-                          "one_launch": one_launch if attention == "triton" else None,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

@@ -83,11 +83,9 @@ def _masks(batch: int, length: int, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize(("batch", "kv_heads", "group", "dim", "length"),
                          [(3, 2, 2, 64, 200), (2, 1, 3, 32, 70), (2, 2, 1, 16, 1100), (1, 1, 4, 16, 7)])
-def test_kernels_equal_sdpa(monkeypatch, batch, kv_heads, group, dim, length, one_launch):
-    monkeypatch.setattr(da, "ONE_LAUNCH", one_launch)
+def test_kernels_equal_sdpa(batch, kv_heads, group, dim, length):
     g = torch.Generator().manual_seed(batch * length)
     q = torch.randn(batch, kv_heads, group, dim, generator=g)
     k, v = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
@@ -101,13 +99,11 @@ def test_kernels_equal_sdpa(monkeypatch, batch, kv_heads, group, dim, length, on
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5), got)
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_slices_kept_only_at_their_edges_or_not_at_all(monkeypatch, one_launch):
+def test_slices_kept_only_at_their_edges_or_not_at_all(monkeypatch):
     """Each program loops only between its slice's first and last kept positions: masks whose kept runs start or
     end on a slice's first or last position, one that keeps a single position, and whole slices kept nowhere
     between kept ones (length 1100 cuts into 8 slices of 192 at 4 blocks a slice)."""
     monkeypatch.setattr(da, "CHUNK_BLOCKS", 4)
-    monkeypatch.setattr(da, "ONE_LAUNCH", one_launch)
     length = 1100
     assert da.slices(length) == (8, 192)
     g = torch.Generator().manual_seed(11)
@@ -222,83 +218,6 @@ def test_a_run_is_cut_into_sub_runs_that_fit_a_tile():
     assert da.plan(300, 64, 3, 100) == [(0, 300, 1, 1, 320)]
 
 
-def _runs(batch: int, share: int, group: int, prefix: int, length: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Query, keys, values (dim 16, 2 key/value heads) and mask of rows in runs of `share` equal over the first
-    `prefix` positions, as GRPO's samples of one prompt: each run left-padded by its own, each row's response its
-    own length, holes inside the prompt (a run's rows alike) and the responses."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, 2, group, 16, generator=g)
-    k, v = (torch.randn(batch, 2, length, 16, generator=g) for _ in range(2))
-    mask = torch.zeros(batch, length, dtype=torch.bool)
-    for row in range(batch):
-        lead = row // share * share
-        mask[row, 3 + 5 * (row // share): prefix] = True
-        mask[row, prefix: prefix + (length - prefix) * (row + 2) // (batch + 2)] = True
-        k[row, :, :prefix], v[row, :, :prefix] = k[lead, :, :prefix], v[lead, :, :prefix]
-    mask[:, prefix // 2: prefix // 2 + 3] = False
-    mask[1::2, prefix + 7: prefix + 70: 9] = False
-    return q, k, v, mask
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA's result, with the kernels' zeros where a row attends nothing (SDPA's NaN)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return out.masked_fill(~mask.any(1)[:, None, None, None], 0.0)
-
-
-@pytest.mark.parametrize(("batch", "share", "group", "prefix", "length", "chunk_blocks", "nowhere", "reverse"), [
-    (6, 1, 2, 0, 300, 1, True, False),  # every row on its own: 8 slices (3 past the cache), a row kept nowhere
-    (8, 4, 2, 120, 300, 1, False, False),  # a prefix of 2 slices a run, then 4 a row (the last past the cache: empty)
-    (8, 4, 2, 120, 300, 1, False, True),
-    (8, 4, 2, 120, 300, 1, True, False),  # a run's prompt kept nowhere, and one of its rows' response neither
-    (8, 4, 2, 0, 300, 2, False, False),  # runs without a prefix: one range, a row a program
-    (8, 4, 2, 300, 300, 2, False, False),  # the prefix is the whole cache: one range, a run a program
-    (16, 16, 4, 100, 300, 1, False, False),  # 16 rows of 4 heads outgrow a tile: sub-runs of 8
-    (16, 16, 4, 100, 300, 1, False, True),
-    (4, 2, 1, 700, 2100, 8, False, False),  # a longer cache at the default slice size: 2 and 4 slices of 384
-    (4, 2, 1, 700, 2100, 8, False, True),
-])
-def test_one_launch_equals_the_launches_and_sdpa(monkeypatch, batch, share, group, prefix, length, chunk_blocks,
-                                                 nowhere, reverse):
-    """`ONE_LAUNCH`: both ranges' programs in one launch, the last program of each (row, head) merging its slices,
-    give what a launch a range and `_combine` give, bit for bit (in the interpreter both run the same slice code
-    into the same slots and the same merge over the slices in the same order), and SDPA's result; every count is
-    back at zero after the call, and a second call gives the same. `reverse` launches the response's range first,
-    so the shared prefix's programs, which count and merge for several rows, are the last ones and merge."""
-    monkeypatch.setattr(da, "CHUNK_BLOCKS", chunk_blocks)
-    if reverse:
-        planned = da.plan
-        monkeypatch.setattr(da, "plan", lambda *args: planned(*args)[::-1])
-    q, k, v, mask = _runs(batch, share, group, prefix, length, seed=batch * length + prefix)
-    if nowhere:
-        mask[:share, :prefix] = False
-        mask[share - 1] = False
-    monkeypatch.setattr(da, "ONE_LAUNCH", False)
-    launches = da.decode_attention(q, k, v, mask, 0.25, share, prefix)
-    monkeypatch.setattr(da, "ONE_LAUNCH", True)
-    got = da.decode_attention(q, k, v, mask, 0.25, share, prefix)
-    assert torch.equal(got, launches)
-    assert torch.allclose(got, _sdpa(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
-    assert not any(counts.any() for counts in da._COUNTERS[q.device])
-    assert torch.equal(da.decode_attention(q, k, v, mask, 0.25, share, prefix), got)
-
-
-def test_the_counts_grow_and_keep_what_a_recording_may_hold(monkeypatch):
-    """A call that needs more counts than a device has gets a larger buffer, zero, and the old one stays alive (a
-    recorded CUDA graph may still point at it); while a CUDA graph records, no buffer is allocated: the call
-    launches the kernels of `ONE_LAUNCH` False."""
-    monkeypatch.setattr(da, "_COUNTERS", {})
-    cpu = torch.device("cpu")
-    small = da._counters(cpu, 5)
-    assert small.shape == (8,) and small.dtype == torch.int32 and not small.any()
-    assert da._counters(cpu, 8) is small
-    large = da._counters(cpu, 9)
-    assert large.shape == (16,) and not large.any() and da._COUNTERS[cpu] == [small, large]
-    assert da._counters(cpu, 3) is large
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert da._counters(torch.device("cuda", 0), 4) is None and not da._COUNTERS[torch.device("cuda", 0)]
-
-
 def test_a_shared_prefix_needs_whole_runs():
     q, k = torch.randn(6, 1, 2, 16), torch.randn(6, 1, 40, 16)
     mask = torch.ones(6, 40, dtype=torch.bool)
@@ -319,11 +238,9 @@ def test_bad_inputs_are_refused_not_misread():
                             torch.ones(2, 40, dtype=torch.bool), 0.1)
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_strided_inputs_and_a_broadcast_mask(monkeypatch, one_launch):
+def test_strided_inputs_and_a_broadcast_mask():
     """A query with a strided last dimension, a key sliced from a longer cache, a value from more heads, a mask
     expanded from one row (stride 0)."""
-    monkeypatch.setattr(da, "ONE_LAUNCH", one_launch)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(3, 2, 2, 64, generator=g)[..., ::2]  # last stride 2: copied before the kernels
     k = torch.randn(3, 2, 100, 32, generator=g)[:, :, :80]  # a cache sliced along its positions: read in place
@@ -352,9 +269,7 @@ def test_the_model_hook_sends_what_the_kernels_take_to_them(tiny, op_calls, dim,
     assert len(op_calls) == kernel_calls and torch.allclose(got, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_a_row_that_attends_nothing_gets_zeros(monkeypatch, one_launch):
-    monkeypatch.setattr(da, "ONE_LAUNCH", one_launch)
+def test_a_row_that_attends_nothing_gets_zeros():
     q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 40, 16), torch.randn(2, 1, 40, 16)
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[1, 3:9] = True

@@ -13,80 +13,12 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
              TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr):
-    # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1)
-    _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
-           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
-           tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), start, stop, chunk, first_split, scale,
-           GROUP, GROUP_P2, ROWS, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN, SHARE, DENSE)
-
-
-@triton.jit
-def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
-            sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n, so_b, so_h, so_g,
-            batch, used, scale, start0, stop0, chunk0, first0, programs0, start1, stop1, chunk1, first1,
-            GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-            SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr, TRIM: tl.constexpr,
-            DENSE: tl.constexpr, ROWS0: tl.constexpr, SCAN0: tl.constexpr, SHARE0: tl.constexpr,
-            ROWS1: tl.constexpr, SCAN1: tl.constexpr, SHARE1: tl.constexpr):
-    # `_partial`'s programs of both ranges of a call in one grid (program_id(0): range 0's programs, then range
-    # 1's; SHARE1 0: no second range, and no code for one), each followed by its part of the combine: the last
-    # program to store a (row, head)'s slice merges them all (`_slice_and_merge`)
-    p = tl.program_id(0)
-    h = tl.program_id(1)
-    if p < programs0:
-        _slice_and_merge(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
-                         sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n, so_b, so_h, so_g,
-                         p, h, batch, used, scale, start0, stop0, chunk0, first0,
-                         GROUP, GROUP_P2, ROWS0, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN0, SHARE0, DENSE)
-    elif SHARE1 > 0:
-        _slice_and_merge(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
-                         sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n, so_b, so_h, so_g,
-                         p - programs0, h, batch, used, scale, start1, stop1, chunk1, first1,
-                         GROUP, GROUP_P2, ROWS1, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN1, SHARE1, DENSE)
-
-
-@triton.jit
-def _slice_and_merge(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
-                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n, so_b, so_h, so_g,
-                     at, h, batch, used, scale, start, stop, chunk, first_split,
-                     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-                     BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
-                     TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr):
-    # the range's program `at`: runs vary fastest, then slices, as in `_partial`'s grid
-    runs = batch // SHARE
-    run = (at % runs).to(tl.int64)
-    _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
-           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
-           run, h, at // runs, start, stop, chunk, first_split, scale,
-           GROUP, GROUP_P2, ROWS, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN, SHARE, DENSE)
-    # every thread's stores above come before the count that says they are done (one thread of the program does
-    # the atomic; its release covers what the barrier ordered before it)
-    tl.debug_barrier()
-    # one count a row the program stored for; a loop, not unrolled: SHARE runs to 32 rows, each with a merge
-    for i in range(SHARE):
-        row = run * SHARE + i
-        count = count_ptr + row * HEADS + h
-        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")  # the slices stored before this one
-        if done == used - 1:
-            # the last of the row's `used` slices: the others' stats are in memory (their release, our acquire),
-            # read past L1, which may hold lines from before they were written; the merge adds the slices in
-            # their fixed order, so which program merges changes nothing in the result
-            _merge(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, row, h, used,
-                   GROUP, GROUP_P2, DIM, SPLITS, HEADS, ".cg")
-            tl.store(count, 0)  # zero at rest for the next call: no other program touches it in this one
-
-
-@triton.jit
-def _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
-           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
-           run, h, s, start, stop, chunk, first_split, scale,
-           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-           BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
-           TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr):
-    # run `run` of SHARE rows, key/value head `h`, slice `s` of the positions start..stop-1: the run's rows hold
+    # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1): the run's rows hold
     # the same keys, values and mask there, so the program reads them once, from the run's first row, for all of its
-    # rows' queries (SHARE 1: every row on its own); `run` is int64: a row's offset into a large cache passes 2**31
-    # elements
+    # rows' queries (SHARE 1: every row on its own)
+    run = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
+    h = tl.program_id(1)
+    s = tl.program_id(2)
     b = run * SHARE  # the row whose keys, values and mask the program reads
     # the rows of a tensor-core tile (tl.dot needs 16): the group's query heads of each row of the run, GROUP_P2
     # tile rows a row
@@ -184,29 +116,21 @@ def _range_loop(q, k_ptr, v_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, lo, h
 def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, used,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
              HEADS: tl.constexpr):
-    # one program per (row, head), after every `_partial` launch of the call
-    _merge(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, tl.program_id(0).to(tl.int64), tl.program_id(1),
-           used, GROUP, GROUP_P2, DIM, SPLITS, HEADS, "")
-
-
-@triton.jit
-def _merge(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, b, h, used,
-           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
-           HEADS: tl.constexpr, CACHE: tl.constexpr):
-    # row b's (int64) slices of head h into its output; the first `used` of SPLITS slices were written (SPLITS: a
-    # power of 2, for the tile); the rest weigh nothing. CACHE: the stats' loads' cache modifier
+    # the first `used` of SPLITS slices were written (SPLITS: a power of 2, for the tile); the rest weigh nothing
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, DIM)
     slot = ((b * HEADS + h) * SPLITS + s[:, None]) * GROUP_P2 + g[None, :]  # (SPLITS, GROUP_P2)
     written = (s < used)[:, None]
-    maxes = tl.load(max_ptr + slot, mask=written, other=float("-inf"), cache_modifier=CACHE)
+    maxes = tl.load(max_ptr + slot, mask=written, other=float("-inf"))
     top = tl.max(maxes, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp(maxes - top[None, :])  # a slice with no kept position weighs 0
-    total = tl.sum(weight * tl.load(sum_ptr + slot, mask=written, other=0.0, cache_modifier=CACHE), 0)
+    total = tl.sum(weight * tl.load(sum_ptr + slot, mask=written, other=0.0), 0)
     parts = tl.load(acc_ptr + slot[:, :, None] * DIM + d[None, None, :], mask=written[:, :, None],
-                    other=0.0, cache_modifier=CACHE)  # (SPLITS, GROUP_P2, DIM)
+                    other=0.0)  # (SPLITS, GROUP_P2, DIM)
     out = tl.sum(parts * weight[:, :, None], 0) / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g[:, None] < GROUP)

@@ -23,13 +23,6 @@ only the columns past the prompt by one program a row; the combine merges both k
 would not fit one tile (`MAX_SHARED_QUERIES`) is read in sub-runs that do. At 128 rows of 32
 prompts x 4, whose prompts average 175 tokens against 256 of response on average, that reads about 30 % fewer bytes.
 
-One launch a call (`ONE_LAUNCH`): `_attend` runs `_partial`'s programs for a shared prefix and for the rows' own
-positions in one grid, and the combine inside it. Each program, once its slice's stats are stored, adds one to a
-count per (row, head) it stored for; the program that finds the count one short of the row's slices is the last,
-merges them in their fixed order (so the result does not depend on which program that was) and puts the count back
-to zero, which leaves the counts zero between calls. A recorded decode step then holds one attention kernel a layer,
-not two or three, and none of the idle time between them.
-
 Triton ships with PyTorch's CUDA builds; without it (a CPU-only install) `available()` is False and the caller keeps
 SDPA. On a CPU, `TRITON_INTERPRET=1` runs the same kernels in Triton's interpreter, which is how they are tested
 against SDPA (the kernels' module is imported at the first call, so the variable need only be set before that).
@@ -38,7 +31,6 @@ against SDPA (the kernels' module is imported at the first call, so the variable
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -63,15 +55,6 @@ DENSE = True
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
-# one launch a call (`_attend`): both ranges' programs in one grid, and the last program to store a (row, head)'s
-# slice merges them; False: a `_partial` launch a range, then `_combine` (`--one-launch on off` in
-# `benchmarks/decode_attention_bench.py` and `graph_decode_profile.py` compare)
-ONE_LAUNCH = True
-# `_attend`'s counts, a device's: int32, one a (row, key/value head), zero at rest (every call restores each count it
-# takes to zero). Shared scratch of every call on the device, so calls must not run at once on two streams of one
-# device (the decode loop runs on one). A call that needs more allocates a larger buffer and keeps the old one alive:
-# a recorded CUDA graph may still point at it
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def available(device: torch.device) -> bool:
@@ -152,10 +135,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
-    counts = _counters(query.device, batch * heads) if ONE_LAUNCH else None
-    if counts is not None:
-        _one_launch(query, key, value, mask, acc, run_max, run_sum, out, counts, scale, ranges, used, splits_p2)
-        return out
     first_split = 0
     for begin, stop, rows, splits, chunk in ranges:
         _partial[(batch // rows, heads, splits)](
@@ -170,61 +149,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
                              GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads)
     return out
-
-
-def _one_launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, acc: torch.Tensor,
-                run_max: torch.Tensor, run_sum: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, scale: float,
-                ranges: list[tuple[int, int, int, int, int]], used: int, splits_p2: int) -> None:
-    """`decode_attention`'s kernels as one `_attend` launch: `ranges`' programs in one grid, in order, each range's
-    runs and slices as `_partial` launches them, then the merge of each (row, head) by its last program."""
-    from zbench.engine._decode_kernels import _attend
-
-    batch, heads, group, dim = query.shape
-    group_p2 = triton.next_power_of_2(group)
-    # no second range: its SHARE is 0, which compiles no code for it, and its scalars are never read
-    (begin0, stop0, rows0, splits0, chunk0), (begin1, stop1, rows1, _, chunk1) = [*ranges, (0, 0, 0, 0, BLOCK_N)][:2]
-    programs = [batch // rows * splits for _, _, rows, splits, _ in ranges]
-    _attend[(sum(programs), heads)](
-        query, key, value, mask, acc, run_max, run_sum, out, counts,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        batch, used, scale, begin0, stop0, chunk0, 0, programs[0], begin1, stop1, chunk1, splits0,
-        GROUP=group, GROUP_P2=group_p2, DIM=dim, BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES,
-        TRIM=TRIM, DENSE=DENSE,
-        ROWS0=max(16, triton.next_power_of_2(rows0 * group_p2)), SCAN0=min(1024, triton.next_power_of_2(chunk0)),
-        SHARE0=rows0,
-        ROWS1=max(16, triton.next_power_of_2(rows1 * group_p2)), SCAN1=min(1024, triton.next_power_of_2(chunk1)),
-        SHARE1=rows1, num_warps=NUM_WARPS)
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor | None:
-    """`_attend`'s counts on `device`, `size` of them at least, all zero; None where that needs an allocation while
-    the current stream records a CUDA graph (the caller then launches as with `ONE_LAUNCH` False)."""
-    kept = _COUNTERS.setdefault(device, [])
-    if kept and kept[-1].numel() >= size:
-        return kept[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = triton.next_power_of_2(size)
-    if device.type != "cuda":
-        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
-        return kept[-1]
-
-    def zeros() -> torch.Tensor:
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                counts = torch.zeros(size, dtype=torch.int32, device=device)
-            stream.synchronize()  # zero before any stream of the caller's reads it
-        return counts
-
-    # allocated from a thread of its own: in torch.compile's CUDA-graph warm-up every allocation of the calling thread
-    # goes to the recordings' private pool, which can hand the block out again when it restores an earlier state,
-    # while this buffer outlives every recording
-    with ThreadPoolExecutor(1) as pool:
-        kept.append(pool.submit(zeros).result())
-    return kept[-1]
 
 
 def plan(length: int, group_p2: int, share: int = 1, prefix: int = 0) -> list[tuple[int, int, int, int, int]]:
