@@ -6,8 +6,9 @@ of weights a layer and token, and took 23 µs on an H200, where the 3 TB/s its d
 them in about 10 (results/reference/h200x2-dense-20261128). cuBLAS tiles few rows into few programs. The kernel here
 gives every program `--block-n` output columns and all the rows, so a narrow tile spreads the weights over every SM;
 where N is small it also splits K (`--split-k`), each slice's partial sums added by a second pass, in a fixed order
-(the rollout samples seed for seed, so no atomics). Nothing here is used by the engine: it measures whether such a
-kernel is worth building into the rollout replica.
+(the rollout samples seed for seed, so no atomics). Nothing here is used by the engine: it measured whether such a
+kernel was worth building into the rollout replica, and on an H200 at 128 rows cuBLAS was faster on every shape than
+every geometry that ran there (528 of 864; results/reference/h200-decode-kernels-20261128), so the engine keeps cuBLAS.
 
 Each variant is captured as a CUDA graph of `--layers` calls and replayed, as in the decode step, so launch overhead
 counts as it does there. One JSON line per measurement, with the largest difference from cuBLAS's result:
