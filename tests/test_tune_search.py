@@ -217,7 +217,15 @@ def test_the_recorded_tune_predicts_the_budgets_that_fit_from_its_own_trials() -
     assert abs(at_02 - 26.76) < 0.25 and at_02 <= 28.0
     assert abs(at_025 - 28.40) < 0.25 and at_025 > 28.0
     assert len(search.calibrating(Geometry(32, 0, False, activation_budget=0.2))) == 2
-    assert len(search.calibrating(Geometry(128, 0, False, activation_budget=0.0))) == 5  # no peer: every trial
+    assert len(search.calibrating(Geometry(128, 0, True, activation_budget=0.0))) == 5  # no peer: every trial
+    # micro-batch 64 at the case's budget, which the tune of results/reference/h200x2-tune-20261128 then ran: 30.18
+    # GB. Along the micro-batch (the first two trials) the prediction lands on it, over the budget, so the search
+    # need not try it; fitted across all three (the third checkpointed), it said 26.67 GB, and the trial ran over
+    micro_64 = Geometry(64, 0, False, activation_budget=0.05)
+    model[micro_64] = 25.02
+    search.trials = search.trials[:3]
+    assert [t.geometry.train_micro for t in search.calibrating(micro_64)] == [32, 16]
+    assert abs(search.predicted_gb(micro_64) - 30.18) < 0.25 and not search.fits(micro_64)
 
 
 def test_near_ties_go_to_material_memory_savings_not_to_hundredths_of_a_gb() -> None:

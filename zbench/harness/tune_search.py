@@ -40,10 +40,14 @@ OK, OVER_BUDGET = "ok", "over_budget"
 # `calibrate`: trials whose model figures lie closer than this tell no slope apart from the measurements' noise
 SLOPE_SPREAD_GB = 2.0
 SLOPES = (0.25, 2.0)  # the measured-over-model slope a calibration may take, at least and at most
+# `Search.calibrating`: the knobs along which trials calibrate a prediction, in turn (the budget search's, then the
+# micro-batch search's)
+PEER_KNOBS = ("activation_budget", "train_micro")
 MEMORY_STATUSES = (OVER_BUDGET, "oom")  # the trial ran out of the budget (or of the device)
 TOLERANCE = 0.03  # a step must be this much faster to count as faster: the noise of a few timed steps
 # of trials the timed steps cannot tell apart, one must save this much more memory to be chosen over a faster one:
-# less is not worth the speed a user gives up (the recorded GRPO tune chose 24.67 GB over 24.70 at 2.9 % slower)
+# less is not worth the speed a user gives up (the recorded GRPO tune chose 24.67 GB over 24.70 whose updates took
+# 1.8 % less time)
 MEMORY_TIE_GB = 0.5
 MAX_TRIALS = 10  # per case: a search that has not settled by then is stopped, with a note
 
@@ -123,13 +127,17 @@ class Search:
     def calibrating(self, g: Geometry) -> list[TrialResult]:
         """The trials that calibrate the memory model's prediction for `g`: those that measured what is calibrated
         (each phase where the model gives phases and they measured them, else the peak), and of those, the ones
-        that differ from `g` in their activation budget alone where there are any. The model errs by different
-        amounts along different knobs (at GRPO's reference config, training grew 0.57 GB a GB the model added
-        along the budget, about 1.2 along the micro-batch), so a slope is taken along the knob that moves."""
+        that differ from `g` in one knob alone (`PEER_KNOBS`, the first with any), else all of them. The model errs
+        by different amounts along different knobs (at GRPO's reference config, training grew 0.57 GB a GB the
+        model added along the activation budget, 1.22 along the micro-batch), so a slope is taken along the knob
+        that moves."""
         phased = self.space.predict_phases is not None and any(t.phases is not None for t in self.trials)
         measured = [t for t in self.trials if (t.phases if phased else t.peak_gb) is not None]
-        peers = [t for t in measured if replace(t.geometry, activation_budget=g.activation_budget) == g]
-        return peers or measured
+        for knob in PEER_KNOBS:
+            peers = [t for t in measured if replace(t.geometry, **{knob: getattr(g, knob)}) == g]
+            if peers:
+                return peers
+        return measured
 
     def predicted_gb(self, g: Geometry) -> float:
         """The memory model's peak for `g`, calibrated by what the trials measured (`calibrate`, on the trials of
