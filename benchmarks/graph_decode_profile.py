@@ -69,10 +69,16 @@ def main() -> None:
                         help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
                              "positions loops without reading the mask (on, the default), or reads it every block (off); each "
                              "measured in turn, on a fresh copy of the model")
+    parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
+                        help="programmatic dependent launch for the Triton attention's kernels (`PDL`) and Inductor's "
+                             "own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one "
+                             "before it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
     args = parser.parse_args()
+    if "on" in args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        parser.error(f"--pdl on: torch {torch.__version__}'s Inductor has no `triton.enable_pdl`")
     if args.data and any(b % args.n for b in args.batch):
         parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
 
@@ -111,9 +117,12 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense in itertools.product(
-            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense):
+    for attention, merge, sampler, share, mode, dense, pdl in itertools.product(
+            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.pdl):
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
+        decode_attention.PDL = pdl == "on"
+        if hasattr(torch._inductor.config.triton, "enable_pdl"):  # read when the step is compiled
+            torch._inductor.config.triton.enable_pdl = pdl == "on"
         samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
@@ -138,7 +147,7 @@ def main() -> None:
             row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
-                          "dense": dense if attention == "triton" else None,
+                          "dense": dense if attention == "triton" else None, "pdl": pdl,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

@@ -12,7 +12,10 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              start, stop, chunk, first_split, scale,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
-             TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr):
+             TRIM: tl.constexpr, SCAN: tl.constexpr, SHARE: tl.constexpr, DENSE: tl.constexpr,
+             PDL: tl.constexpr = False):
+    if PDL:  # launched before the kernel it follows has finished: wait for it before reading anything
+        tl.extra.cuda.gdc_wait()
     # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1): the run's rows hold
     # the same keys, values and mask there, so the program reads them once, from the run's first row, for all of its
     # rows' queries (SHARE 1: every row on its own)
@@ -115,7 +118,9 @@ def _range_loop(q, k_ptr, v_ptr, b, h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, lo, h
 @triton.jit
 def _combine(acc_ptr, max_ptr, sum_ptr, out_ptr, so_b, so_h, so_g, used,
              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
-             HEADS: tl.constexpr):
+             HEADS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # the first `used` of SPLITS slices were written (SPLITS: a power of 2, for the tile); the rest weigh nothing
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

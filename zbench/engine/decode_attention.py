@@ -52,6 +52,10 @@ TRIM = True  # each program first finds its slice's first and last kept position
 # reading the mask, so its key and value loads wait on no other load; a slice with holes reads it every block
 # (`benchmarks/decode_attention_bench.py --dense on off` and `graph_decode_profile.py --dense on off` compare)
 DENSE = True
+# programmatic dependent launch (Hopper and later): each kernel may be scheduled while the kernel before it drains,
+# and waits for it before reading anything, which hides part of the gap between kernels in a recorded step. Off until
+# measured (`benchmarks/graph_decode_profile.py --pdl on off`, which sets Inductor's own kernels the same way)
+PDL = False
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
@@ -135,6 +139,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
+    pdl = {"PDL": True, "launch_pdl": True} if PDL else {}
     first_split = 0
     for begin, stop, rows, splits, chunk in ranges:
         _partial[(batch // rows, heads, splits)](
@@ -144,10 +149,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             begin, stop, chunk, first_split, scale,
             GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
             BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
-            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS)
+            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
         first_split += splits
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
-                             GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads)
+                             GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads, **pdl)
     return out
 
 
