@@ -325,6 +325,26 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
     assert shared.shared_prefix == (4, ids.shape[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper GPU or later")
+def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
+    """`decode_attention.PDL` with Inductor's `triton.enable_pdl` (`graph_decode_profile.py --pdl on`): every kernel
+    that may start before the one it follows has finished waits for it, so GRPO's rows decode the tokens they decode
+    without it. The interpreter cannot run the wait, so only a GPU checks it."""
+    from zbench.engine import decode_attention
+
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None, "samples": 4}
+    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    plain = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
+    monkeypatch.setattr(decode_attention, "PDL", True)
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        overlapped = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+        assert torch.equal(overlapped.generate(ids, mask, **kwargs), plain)
+
+
 class HostReleasableMemory:
     """`device_memory.ReleasableMemory` on the host, for the placement of the loop's cache where the CPU has no
     virtual memory management: one buffer at one address, whose `release` leaves NaN behind (what the pages mapped
