@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
                         help="with the trim: a slice kept everywhere between its first and last kept positions "
                              "loops without reading the mask (on, the default), or reads it every block (off)")
+    parser.add_argument("--one-grid", nargs="+", default=["off"], choices=("on", "off"),
+                        help="with --share above 1: the prefix's and the rows' own programs in one launch "
+                             "(`ONE_GRID`), or a launch each (off)")
     parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="programmatic dependent launch (`PDL`): each kernel scheduled while the one before it "
                              "drains (Hopper and later)")
@@ -108,14 +111,16 @@ def main() -> None:
         sdpa_us = graph_time(functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask[:, None, None, :],
                                                scale=scale), args.layers, args.repeats)
         print(json.dumps(base | {"variant": "sdpa", "us_per_call": sdpa_us}), flush=True)
-        for block, chunk, warps, stages, trim, share, dense, pdl in itertools.product(
-                args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense, args.pdl):
+        for block, chunk, warps, stages, trim, share, dense, one_grid, pdl in itertools.product(
+                args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense,
+                args.one_grid, args.pdl):
             if batch % share:
                 continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
-            da.DENSE, da.PDL = dense == "on", pdl == "on"
+            da.DENSE, da.ONE_GRID, da.PDL = dense == "on", one_grid == "on", pdl == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
-                              "stages": stages, "trim": trim, "share": share, "dense": dense, "pdl": pdl,
+                              "stages": stages, "trim": trim, "share": share, "dense": dense, "one_grid": one_grid,
+                              "pdl": pdl,
                               "splits": sum(cut[3] for cut in da.plan(length, da.triton.next_power_of_2(group), share,
                                                                        args.width if share > 1 else 0))}
             cache, reference = runs_of(share)

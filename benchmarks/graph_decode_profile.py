@@ -69,6 +69,9 @@ def main() -> None:
                         help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
                              "positions loops without reading the mask (on, the default), or reads it every block (off); each "
                              "measured in turn, on a fresh copy of the model")
+    parser.add_argument("--one-grid", nargs="+", default=["off"], choices=("on", "off"),
+                        help="with shared prompts: the Triton attention's prefix and per-row programs in one launch "
+                             "(`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="programmatic dependent launch for the Triton attention's kernels (`PDL`) and Inductor's "
                              "own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one "
@@ -117,9 +120,11 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense, pdl in itertools.product(
-            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.pdl):
+    for attention, merge, sampler, share, mode, dense, one_grid, pdl in itertools.product(
+            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_grid,
+            args.pdl):
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
+        decode_attention.ONE_GRID = one_grid == "on"
         decode_attention.PDL = pdl == "on"
         if hasattr(torch._inductor.config.triton, "enable_pdl"):  # read when the step is compiled
             torch._inductor.config.triton.enable_pdl = pdl == "on"
@@ -147,7 +152,8 @@ def main() -> None:
             row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
-                          "dense": dense if attention == "triton" else None, "pdl": pdl,
+                          "dense": dense if attention == "triton" else None,
+                          "one_grid": one_grid if attention == "triton" else None, "pdl": pdl,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

@@ -16,12 +16,48 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
              PDL: tl.constexpr = False):
     if PDL:  # launched before the kernel it follows has finished: wait for it before reading anything
         tl.extra.cuda.gdc_wait()
-    # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1): the run's rows hold
-    # the same keys, values and mask there, so the program reads them once, from the run's first row, for all of its
-    # rows' queries (SHARE 1: every row on its own)
-    run = tl.program_id(0).to(tl.int64)  # a row's offset into a large cache passes 2**31 elements
-    h = tl.program_id(1)
-    s = tl.program_id(2)
+    # one program per (run of SHARE rows, key/value head, slice of the positions start..stop-1)
+    _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
+           tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), start, stop, chunk, first_split, scale,
+           SHARE, GROUP, GROUP_P2, ROWS, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN, DENSE)
+
+
+@triton.jit
+def _partials(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+              sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
+              batch, programs0, start0, stop0, chunk0, share0, start1, stop1, chunk1, share1, first1, scale,
+              GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+              BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
+              TRIM: tl.constexpr, SCAN: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr = False):
+    # `_partial`'s programs of a call's two ranges in one grid (`ONE_GRID`): program_id(0) counts range 0's (runs
+    # fastest, then slices), then range 1's; the range's run length (`share`) is a value here, not a constant, so one
+    # copy of the loop serves both
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    p = tl.program_id(0)
+    second = p >= programs0
+    share = tl.where(second, share1, share0)
+    at = tl.where(second, p - programs0, p)
+    runs = batch // share
+    _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
+           (at % runs).to(tl.int64), tl.program_id(1), at // runs, tl.where(second, start1, start0),
+           tl.where(second, stop1, stop0), tl.where(second, chunk1, chunk0), tl.where(second, first1, 0), scale,
+           share, GROUP, GROUP_P2, ROWS, DIM, BLOCK, SPLITS, HEADS, STAGES, TRIM, SCAN, DENSE)
+
+
+@triton.jit
+def _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+           sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
+           run, h, s, start, stop, chunk, first_split, scale, SHARE,
+           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+           BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
+           TRIM: tl.constexpr, SCAN: tl.constexpr, DENSE: tl.constexpr):
+    # run `run` (int64: a row's offset into a large cache passes 2**31 elements) of SHARE rows, key/value head h,
+    # slice s of the positions start..stop-1: the run's rows hold the same keys, values and mask there, so the
+    # program reads them once, from the run's first row, for all of its rows' queries (SHARE 1: every row on its
+    # own). SHARE is `_partial`'s constant or `_partials`' value
     b = run * SHARE  # the row whose keys, values and mask the program reads
     # the rows of a tensor-core tile (tl.dot needs 16): the group's query heads of each row of the run, GROUP_P2
     # tile rows a row

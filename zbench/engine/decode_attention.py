@@ -56,6 +56,10 @@ DENSE = True
 # and waits for it before reading anything, which hides part of the gap between kernels in a recorded step. Off until
 # measured (`benchmarks/graph_decode_profile.py --pdl on off`, which sets Inductor's own kernels the same way)
 PDL = False
+# a shared prefix's programs and the rows' own in one `_partials` launch, not a `_partial` launch a range: one kernel
+# fewer a call, and the prefix's few programs run beside the others instead of alone. Off until measured
+# (`benchmarks/decode_attention_bench.py --one-grid on off`, `graph_decode_profile.py --one-grid on off`)
+ONE_GRID = False
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
@@ -123,7 +127,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     once, from the run's first row, for the queries of all its rows; past `prefix` every row reads its own. Where
     the rows differ there, the first row's prefix is what all of them attend (the caller must know they agree).
     """
-    from zbench.engine._decode_kernels import _combine, _partial
+    from zbench.engine._decode_kernels import _combine, _partial, _partials
 
     _check(query, key, value, mask, share, prefix)
     batch, heads, group, dim = query.shape
@@ -140,6 +144,18 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
     pdl = {"PDL": True, "launch_pdl": True} if PDL else {}
+    if ONE_GRID and len(ranges) == 2:
+        (begin0, stop0, rows0, splits0, chunk0), (begin1, stop1, rows1, splits1, chunk1) = ranges
+        programs0 = batch // rows0 * splits0
+        _partials[(programs0 + batch // rows1 * splits1, heads)](
+            query, key, value, mask, acc, run_max, run_sum,
+            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
+            batch, programs0, begin0, stop0, chunk0, rows0, begin1, stop1, chunk1, rows1, splits0, scale,
+            GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(max(rows0, rows1) * group_p2)),
+            DIM=dim, BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
+            SCAN=min(1024, triton.next_power_of_2(max(chunk0, chunk1))), DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
+        ranges = []
     first_split = 0
     for begin, stop, rows, splits, chunk in ranges:
         _partial[(batch // rows, heads, splits)](
