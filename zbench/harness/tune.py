@@ -108,7 +108,7 @@ class CaseTune:
         return geometry_overrides(self.keys, self.constant, g)
 
     def chosen(self) -> TrialResult | None:
-        """The fastest trial within the budget so far."""
+        """The trial chosen so far (`Search.best`)."""
         return self.search.best()
 
 

@@ -23,8 +23,8 @@ Predictions are the memory model's (`zbench.analyze.activations`), calibrated by
 training), each phase is calibrated on its own and the larger is the peak; a CPU's one figure is calibrated whole.
 One trial shifts the model by what it measured above it (the runtime, allocator and interpreter no formula holds);
 between trials the prediction follows the line through their measurements, and past them the slope they show where
-their model figures lie 2 GB apart or more (`SLOPE_SPREAD_GB`), taken along the activation budget alone where
-trials differ in nothing else (`Search.calibrating`). The model counts every sequence at full length: at GRPO's
+their model figures lie 2 GB apart or more (`SLOPE_SPREAD_GB`), taken along one knob at a time where trials differ
+from the prediction in that knob alone (`Search.calibrating`). The model counts every sequence at full length: at GRPO's
 reference config it grows the training phase by 8.6 GB from activation budget 0.05 to 0.2, where an H200 measured
 4.9 (results/reference/h200x2-dense-20261128), so a shift alone keeps the search from budgets that fit.
 """
@@ -40,15 +40,16 @@ OK, OVER_BUDGET = "ok", "over_budget"
 # `calibrate`: trials whose model figures lie closer than this tell no slope apart from the measurements' noise
 SLOPE_SPREAD_GB = 2.0
 SLOPES = (0.25, 2.0)  # the measured-over-model slope a calibration may take, at least and at most
-# `Search.calibrating`: the knobs along which trials calibrate a prediction, in turn (the budget search's, then the
-# micro-batch search's)
-PEER_KNOBS = ("activation_budget", "train_micro")
+# `Search.calibrating`: the knobs along which trials calibrate a prediction (the budget search's, the micro-batch
+# search's, the forward micro-batch's, the checkpointed layers'), in this order where several could
+PEER_KNOBS = ("activation_budget", "train_micro", "forward_micro", "checkpoint_layers")
 MEMORY_STATUSES = (OVER_BUDGET, "oom")  # the trial ran out of the budget (or of the device)
 TOLERANCE = 0.03  # a step must be this much faster to count as faster: the noise of a few timed steps
-# of trials the timed steps cannot tell apart, one must save this much more memory to be chosen over a faster one:
-# less is not worth the speed a user gives up (the recorded GRPO tune chose 24.67 GB over 24.70 whose updates took
-# 1.8 % less time)
-MEMORY_TIE_GB = 0.5
+# of the trials the timed steps cannot tell apart, those less than this share of the memory budget above the one
+# that needs the least count as needing as little, and the fastest of them is chosen: a saving that small is not
+# worth the speed a user gives up (the recorded GRPO tune chose 24.67 GB over 24.70 GB whose updates took 1.7 % less
+# time; 2 % of its 28 GB budget is 0.56 GB)
+MEMORY_TIE = 0.02
 MAX_TRIALS = 10  # per case: a search that has not settled by then is stopped, with a note
 
 
@@ -127,17 +128,29 @@ class Search:
     def calibrating(self, g: Geometry) -> list[TrialResult]:
         """The trials that calibrate the memory model's prediction for `g`: those that measured what is calibrated
         (each phase where the model gives phases and they measured them, else the peak), and of those, the ones
-        that differ from `g` in one knob alone (`PEER_KNOBS`, the first with any), else all of them. The model errs
-        by different amounts along different knobs (at GRPO's reference config, training grew 0.57 GB a GB the
-        model added along the activation budget, 1.22 along the micro-batch), so a slope is taken along the knob
-        that moves."""
+        that differ from `g` in one knob alone (`PEER_KNOBS`): the first knob whose trials show a slope (model
+        figures `SLOPE_SPREAD_GB` apart), else the first with any; with no such trial, those that checkpoint as
+        `g` does, else all. The model errs by different amounts along different knobs (at GRPO's reference config,
+        training grew 0.57 GB a GB the model added along the activation budget, 1.22 along the micro-batch), so a
+        slope is taken along the knob that moves."""
         phased = self.space.predict_phases is not None and any(t.phases is not None for t in self.trials)
         measured = [t for t in self.trials if (t.phases if phased else t.peak_gb) is not None]
-        for knob in PEER_KNOBS:
-            peers = [t for t in measured if replace(t.geometry, **{knob: getattr(g, knob)}) == g]
-            if peers:
-                return peers
-        return measured
+        knobs = [peers for knob in PEER_KNOBS
+                 if (peers := [t for t in measured if replace(t.geometry, **{knob: getattr(g, knob)}) == g])]
+        sloped = [peers for peers in knobs if self._spread(peers, phased) >= SLOPE_SPREAD_GB]
+        if sloped or knobs:
+            return (sloped or knobs)[0]
+        return [t for t in measured if t.geometry.checkpointing == g.checkpointing] or measured
+
+    def _spread(self, trials: list[TrialResult], phased: bool) -> float:
+        """How far apart the memory model puts `trials`, in the figure that spreads them most (a phase, or the
+        peak)."""
+        if phased and self.space.predict_phases is not None:
+            figures = [self.space.predict_phases(t.geometry) for t in trials]
+            return max(max(f.gen for f in figures) - min(f.gen for f in figures),
+                       max(f.train for f in figures) - min(f.train for f in figures))
+        peaks = [self.space.predict_gb(t.geometry) for t in trials]
+        return max(peaks) - min(peaks)
 
     def predicted_gb(self, g: Geometry) -> float:
         """The memory model's peak for `g`, calibrated by what the trials measured (`calibrate`, on the trials of
@@ -166,8 +179,8 @@ class Search:
 
     def best(self) -> TrialResult | None:
         """The fastest trial within the budget (`ranked_s`); of those within the tolerance of the fastest (which a
-        few timed steps cannot tell apart), the ones within `MEMORY_TIE_GB` of the least memory, and of those the
-        fastest: a trial is chosen for its memory only where it saves a material amount."""
+        few timed steps cannot tell apart), the fastest of those less than `MEMORY_TIE` of the memory budget above
+        the least memory among them: a trial is chosen for its memory only where it saves a material amount."""
         ok = [(t, v) for t in self.trials if t.status == OK and (v := self.ranked_s(t)) is not None]
         if not ok:
             return None
@@ -178,7 +191,7 @@ class Search:
 
         close = [(t, v) for t, v in ok if v <= fastest * (1 + self.space.tolerance)]
         least = min(peak(t) for t, _ in close)
-        lean = [(t, v) for t, v in close if peak(t) <= least + MEMORY_TIE_GB]
+        lean = [(t, v) for t, v in close if peak(t) - least < MEMORY_TIE * self.space.budget_gb]
         return min(lean, key=lambda tv: (tv[1], peak(tv[0])))[0]
 
     def faster(self, r: TrialResult, than: TrialResult | None) -> bool:
@@ -234,7 +247,7 @@ class Search:
         stopped_by = "memory" if first.status in MEMORY_STATUSES else "speed"
         if first.status == OK:
             stopped_by = yield from self._grow(micros[micros.index(start) + 1:], at)
-            if self.best() is first:
+            if not any(self.faster(t, first) for t in self.trials if t is not first):  # growing did not pay
                 yield from self._improve_down(list(reversed(micros[:micros.index(start)])), at)
         elif stopped_by == "memory":
             yield from self._shrink(list(reversed(micros[:micros.index(start)])), at, first)
