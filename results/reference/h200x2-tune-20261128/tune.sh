@@ -4,10 +4,11 @@
 # the project root:
 #   bash results/reference/h200x2-tune-20261128/tune.sh zero2_graph 28   -> $OUT/tune-zero2_graph.log, .tgz
 #   bash results/reference/h200x2-tune-20261128/tune.sh zero3_graph 42
+# $TAG names the run root (default gpu-tune-grpo-<case>).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-case=${1:?case}; memory=${2:?memory budget in GB}; s=${TUNE_S:-300}; tag=gpu-tune-grpo-$case
+case=${1:?case}; memory=${2:?memory budget in GB}; s=${TUNE_S:-300}; tag=${TAG:-gpu-tune-grpo-$case}
 timeout -s INT -k 30 $(( s + 90 )) python3 -m zbench tune results/reference/released-cache-20261128/grpo.yaml \
   --cases "$case" --memory-budget "$memory" --time-budget "$s" --seed 7777 --results-dir /tmp/zbench-results \
   --tag "$tag" --set model.path=qwen3-0.6b --set trainer.world_size=2 \
