@@ -64,6 +64,18 @@ def test_a_row_cut_into_slices_draws_from_each():
     assert 0.25 < (draws == 690).float().mean() < 0.75  # 96 draws of a fair coin: 5 standard errors
 
 
+def test_the_slicing_changes_no_draw(monkeypatch):
+    """A column's draw depends on (seed, step, row, column) alone, so cutting the vocabulary into more or fewer
+    slices (`PROGRAMS`, as `benchmarks/race_bench.py` varies it) draws the same tokens."""
+    logits = torch.randn(8, 700, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    draws = {}
+    for programs in (8, 64, 512):
+        monkeypatch.setattr(rs, "PROGRAMS", programs)
+        draws[rs.splits(8, 700)[0]] = torch.cat([rs.race(logits, _at(9), _at(step), 1.0) for step in range(3)])
+    assert sorted(draws) == [1, 6, 11]  # one slice a row, slices of 2 iterations, one an iteration
+    assert all(torch.equal(d, draws[1]) for d in draws.values())
+
+
 def test_a_seed_and_step_repeat_and_others_differ():
     logits = torch.zeros(40, 64)
     a = rs.race(logits, _at(1), _at(0), 1.0)

@@ -27,6 +27,7 @@ from zbench.engine.decode_attention import available
 QUARTER = 256  # columns a lane block holds; four of them share a Philox counter (1,024 columns an iteration)
 PROGRAMS = 512  # (row, slice) programs to aim for: a few per SM, so that loads overlap
 MAX_SPLITS = 64
+NUM_WARPS = 4
 
 
 def splits(rows: int, vocab: int) -> tuple[int, int]:
@@ -58,7 +59,7 @@ def race(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, temperatu
     vals = torch.empty(rows, count, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows, count, dtype=torch.int64, device=logits.device)
     _race[(rows, count)](logits, seed, step, vals, idxs, logits.stride(0), vocab, rows, 1.0 / temperature, chunk,
-                         QUARTER=QUARTER, SPLITS=count, num_warps=4)
+                         QUARTER=QUARTER, SPLITS=count, num_warps=NUM_WARPS)
     return idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
