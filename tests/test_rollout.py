@@ -326,8 +326,9 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a Hopper GPU or later")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9
+                    or not hasattr(torch._inductor.config.triton, "enable_pdl"),
+                    reason="programmatic dependent launch needs a Hopper GPU or later, and Inductor's switch for it")
 def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
     """`decode_attention.PDL` with Inductor's `triton.enable_pdl` (`graph_decode_profile.py --pdl on`): every kernel
     that may start before the one it follows has finished waits for it, so GRPO's rows decode the tokens they decode
