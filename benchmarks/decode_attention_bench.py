@@ -114,7 +114,7 @@ def main() -> None:
         for block, chunk, warps, stages, trim, share, dense, one_grid, pdl in itertools.product(
                 args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense,
                 args.one_grid, args.pdl):
-            if batch % share:
+            if batch % share or (one_grid == "on" and share == 1):  # one range: nothing for ONE_GRID to join
                 continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             da.DENSE, da.ONE_GRID, da.PDL = dense == "on", one_grid == "on", pdl == "on"

@@ -70,8 +70,9 @@ def main() -> None:
                              "positions loops without reading the mask (on, the default), or reads it every block (off); each "
                              "measured in turn, on a fresh copy of the model")
     parser.add_argument("--one-grid", nargs="+", default=["off"], choices=("on", "off"),
-                        help="with shared prompts: the Triton attention's prefix and per-row programs in one launch "
-                             "(`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of the model")
+                        help="with shared prompts: the Triton attention's prefix and per-row programs in one "
+                             "launch (`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of "
+                             "the model")
     parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="programmatic dependent launch for the Triton attention's kernels (`PDL`) and Inductor's "
                              "own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one "
@@ -123,12 +124,14 @@ def main() -> None:
     for attention, merge, sampler, share, mode, dense, one_grid, pdl in itertools.product(
             args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_grid,
             args.pdl):
+        samples = args.n if args.data and share == "on" else 1
+        if one_grid == "on" and (attention != "triton" or samples == 1):  # no shared prefix: nothing to join
+            continue
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
         decode_attention.ONE_GRID = one_grid == "on"
         decode_attention.PDL = pdl == "on"
         if hasattr(torch._inductor.config.triton, "enable_pdl"):  # read when the step is compiled
             torch._inductor.config.triton.enable_pdl = pdl == "on"
-        samples = args.n if args.data and share == "on" else 1
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
                              compile_mode=mode)

@@ -3,11 +3,13 @@ over a 151,936-token vocabulary (Qwen3's), timed as a CUDA graph of `--calls` dr
 step, for each kernel geometry asked: programs aimed at (`PROGRAMS`: how finely each row's vocabulary is sliced),
 columns a lane block holds (`QUARTER`) and warps a program (`NUM_WARPS`).
 
-In GRPO's recorded step at 128 rows the draw took 81.8 µs a token on an H200
-(results/reference/h200x2-dense-20261128, `_race`), where reading the logits alone takes about 13 µs at 3 TB/s: the
-kernel is bound by its Philox draws and logarithms, and 512 programs of 4 warps keep 16 warps an SM. Each line says
-whether the variant drew the default geometry's tokens: the slicing does not change a draw (a column's Philox
-counter depends on the row, step and column alone), `QUARTER` does (four columns share a counter).
+In GRPO's recorded step at 128 rows the kernel `_race` took about 82 µs a token on an H200
+(results/reference/h200x2-dense-20261128), where reading the logits alone takes about 13 µs at 3 TB/s; 512 programs
+of 4 warps keep 16 warps an SM, which is thin cover for the Philox draws' and logarithms' latency (inferred, not
+measured). The time here is the whole op (the kernel, then the argmax over each row's slices and a gather), so it
+is a little more than the kernel alone. Each line says whether the variant drew the default geometry's tokens: for
+a given batch, vocabulary and `QUARTER` a column's Philox counter depends on the row, step and column alone, not on
+the slicing; `QUARTER` changes draws (four columns share a counter).
 
     PYTHONPATH=. python benchmarks/race_bench.py --rows 32 128 --programs 512 1024 2048 4096 --warps 4 8
 """
@@ -49,13 +51,13 @@ def main() -> None:
         for programs, quarter, warps in itertools.product(args.programs, args.quarter, args.warps):
             rs.PROGRAMS, rs.QUARTER, rs.NUM_WARPS = programs, quarter, warps
             count, chunk = rs.splits(rows, args.vocab)
-            row = {"rows": rows, "vocab": args.vocab, "dtype": args.dtype, "programs": programs, "quarter": quarter,
+            row = {"device": torch.cuda.get_device_name(), "rows": rows, "vocab": args.vocab, "dtype": args.dtype,
+                   "calls": args.calls, "repeats": args.repeats, "programs": programs, "quarter": quarter,
                    "warps": warps, "slices": count, "columns_per_slice": chunk}
             tokens = rs.race(logits, seed, step, 1.0)
             us = graph_time(functools.partial(rs.race, logits, seed, step, 1.0), args.calls, args.repeats)
             print(json.dumps(row | {"us_per_draw": us, "logits_tb_per_s": read_mb / us,
                                     "same_tokens_as_default": bool(torch.equal(tokens, reference))}), flush=True)
-    rs.PROGRAMS, rs.QUARTER, rs.NUM_WARPS = default
 
 
 if __name__ == "__main__":

@@ -187,7 +187,8 @@ def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, l
     """Runs of `share` rows with equal keys, values and mask over the first `prefix` positions (GRPO's samples of
     a prompt): the result equals SDPA's, and it reads that part from each run's first row only (garbage in the
     other rows' prefix changes nothing), while past the prefix every row still reads its own. `ONE_GRID` (both
-    ranges in one launch) gives what a launch a range gives, bit for bit: the same slices into the same slots."""
+    ranges in one launch) gives what a launch a range gives, bit for bit in the interpreter: the same slices into
+    the same slots (compiled, a larger tile than a range's own may add in another order)."""
     monkeypatch.setattr(da, "TRIM", trim)
     monkeypatch.setattr(da, "ONE_GRID", one_grid)
     batch, dim = 2 * share, 32

@@ -330,9 +330,10 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
                     or not hasattr(torch._inductor.config.triton, "enable_pdl"),
                     reason="programmatic dependent launch needs a Hopper GPU or later, and Inductor's switch for it")
 def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
-    """`decode_attention.PDL` with Inductor's `triton.enable_pdl` (`graph_decode_profile.py --pdl on`): every kernel
-    that may start before the one it follows has finished waits for it, so GRPO's rows decode the tokens they decode
-    without it. The interpreter cannot run the wait, so only a GPU checks it."""
+    """`decode_attention.PDL` with Inductor's `triton.enable_pdl` (`graph_decode_profile.py --pdl on`), a smoke
+    test: the recorded step compiles and replays with the kernels launched early and waiting, and GRPO's rows decode
+    the tokens they decode without it. A missing wait is a race these few tokens may not expose; the interpreter
+    cannot run the wait at all."""
     from zbench.engine import decode_attention
 
     model, pad_id, eos_ids, input_ids, mask = tiny
@@ -344,6 +345,31 @@ def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_token
     with torch._inductor.config.patch({"triton.enable_pdl": True}):
         overlapped = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
         assert torch.equal(overlapped.generate(ids, mask, **kwargs), plain)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            overlapped.generate(ids, mask, **kwargs)
+    assert any(e.name == "_partial" for e in prof.events()), "the recorded step fell back to SDPA"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
+def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
+    """`decode_attention.ONE_GRID`: GRPO's rows, the shared prefix's programs and each row's own in one `_partials`
+    launch, decode the tokens a launch a range decodes, compiled for the GPU (the interpreter tests do not compile
+    the kernel)."""
+    from zbench.engine import decode_attention
+
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None, "samples": 4}
+    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    ranges = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
+    monkeypatch.setattr(decode_attention, "ONE_GRID", True)
+    joined = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+    assert torch.equal(joined.generate(ids, mask, **kwargs), ranges)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        joined.generate(ids, mask, **kwargs)
+    names = {e.name for e in prof.events()}
+    assert "_partials" in names and "_partial" not in names
 
 
 class HostReleasableMemory:

@@ -32,7 +32,7 @@ def _partials(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
               TRIM: tl.constexpr, SCAN: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr = False):
     # `_partial`'s programs of a call's two ranges in one grid (`ONE_GRID`): program_id(0) counts range 0's (runs
     # fastest, then slices), then range 1's; the range's run length (`share`) is a value here, not a constant, so one
-    # copy of the loop serves both
+    # copy of the loop serves both, with the larger of the two ranges' tiles (ROWS) and mask scans (SCAN)
     if PDL:
         tl.extra.cuda.gdc_wait()
     p = tl.program_id(0)
@@ -50,22 +50,22 @@ def _partials(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
 @triton.jit
 def _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
            sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_n,
-           run, h, s, start, stop, chunk, first_split, scale, SHARE,
+           run, h, s, start, stop, chunk, first_split, scale, share,
            GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
            BLOCK: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, STAGES: tl.constexpr,
            TRIM: tl.constexpr, SCAN: tl.constexpr, DENSE: tl.constexpr):
-    # run `run` (int64: a row's offset into a large cache passes 2**31 elements) of SHARE rows, key/value head h,
+    # run `run` (int64: a row's offset into a large cache passes 2**31 elements) of `share` rows, key/value head h,
     # slice s of the positions start..stop-1: the run's rows hold the same keys, values and mask there, so the
-    # program reads them once, from the run's first row, for all of its rows' queries (SHARE 1: every row on its
-    # own). SHARE is `_partial`'s constant or `_partials`' value
-    b = run * SHARE  # the row whose keys, values and mask the program reads
+    # program reads them once, from the run's first row, for all of its rows' queries (1: every row on its own).
+    # `share` is `_partial`'s constant (compiled in) or `_partials`' value
+    b = run * share  # the row whose keys, values and mask the program reads
     # the rows of a tensor-core tile (tl.dot needs 16): the group's query heads of each row of the run, GROUP_P2
     # tile rows a row
     r = tl.arange(0, ROWS)
     row = b + r // GROUP_P2
     g = r % GROUP_P2
     d = tl.arange(0, DIM)
-    ours = (r // GROUP_P2 < SHARE) & (g < GROUP)
+    ours = (r // GROUP_P2 < share) & (g < GROUP)
     q = tl.load(q_ptr + row[:, None] * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=ours[:, None],
                 other=0.0)
     run_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -104,7 +104,7 @@ def _slice(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
                                            sm_b, sm_n, lo, hi, scale, acc, run_max, run_sum, d, BLOCK, STAGES)
     # each row's own tile rows (GROUP_P2 of them, the padding's zeros past GROUP) go to the combine, at its slice
     slot = ((row * HEADS + h) * SPLITS + first_split + s) * GROUP_P2 + g
-    kept_rows = r // GROUP_P2 < SHARE
+    kept_rows = r // GROUP_P2 < share
     tl.store(acc_ptr + slot[:, None] * DIM + d[None, :], acc, mask=kept_rows[:, None])
     tl.store(max_ptr + slot, run_max, mask=kept_rows)
     tl.store(sum_ptr + slot, run_sum, mask=kept_rows)

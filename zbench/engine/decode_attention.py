@@ -3,7 +3,7 @@
 `GraphDecoder`'s cache is as wide as the prompt bucket plus every token still to come, and SDPA reads all of it on
 every decode step, masked or not: at 32 rows, 192 + 512 positions, that was 0.61 s of a 1.52 s rollout's kernels on
 an H100 (results/reference/h100-gpu-share-20261127), where the positions a row attends average about 60 % of the
-width. These two Triton kernels read a key or value only where the row's mask is set (a masked-off load moves no
+width. These Triton kernels read a key or value only where the row's mask is set (a masked-off load moves no
 data), so left padding and the cache's unwritten tail cost nothing but the mask bytes.
 
 Split-K ("flash decoding"): `_partial` runs one program per (row, key/value head, split) over a slice of the cache
@@ -52,12 +52,16 @@ TRIM = True  # each program first finds its slice's first and last kept position
 # reading the mask, so its key and value loads wait on no other load; a slice with holes reads it every block
 # (`benchmarks/decode_attention_bench.py --dense on off` and `graph_decode_profile.py --dense on off` compare)
 DENSE = True
-# programmatic dependent launch (Hopper and later): each kernel may be scheduled while the kernel before it drains,
-# and waits for it before reading anything, which hides part of the gap between kernels in a recorded step. Off until
-# measured (`benchmarks/graph_decode_profile.py --pdl on off`, which sets Inductor's own kernels the same way)
+# programmatic dependent launch (CUDA, Hopper and later; elsewhere ignored): each kernel may be scheduled while the
+# kernel before it drains, and waits for it before reading or writing anything, which hides part of the gap between
+# kernels in a recorded step. A wait covers the kernel just before, so a chain holds only where every kernel in it
+# waits (Inductor's, with `triton.enable_pdl`, wait before what they load). None signals its dependents early
+# (`gdc_launch_dependents`). Off until measured (`benchmarks/graph_decode_profile.py --pdl on off`, which sets
+# Inductor's own kernels the same way)
 PDL = False
 # a shared prefix's programs and the rows' own in one `_partials` launch, not a `_partial` launch a range: one kernel
-# fewer a call, and the prefix's few programs run beside the others instead of alone. Off until measured
+# fewer a call, and the prefix's few programs run beside the others instead of alone. Where the two ranges' tiles
+# differ (runs of rows x query heads past 16), every program takes the larger. Off until measured
 # (`benchmarks/decode_attention_bench.py --one-grid on off`, `graph_decode_profile.py --one-grid on off`)
 ONE_GRID = False
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
@@ -143,7 +147,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
-    pdl = {"PDL": True, "launch_pdl": True} if PDL else {}
+    hopper = PDL and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 9
+    pdl = {"PDL": True, "launch_pdl": True} if hopper else {}
     if ONE_GRID and len(ranges) == 2:
         (begin0, stop0, rows0, splits0, chunk0), (begin1, stop1, rows1, splits1, chunk1) = ranges
         programs0 = batch // rows0 * splits0
@@ -155,27 +160,27 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(max(rows0, rows1) * group_p2)),
             DIM=dim, BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
             SCAN=min(1024, triton.next_power_of_2(max(chunk0, chunk1))), DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
-        ranges = []
-    first_split = 0
-    for begin, stop, rows, splits, chunk in ranges:
-        _partial[(batch // rows, heads, splits)](
-            query, key, value, mask, acc, run_max, run_sum,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-            begin, stop, chunk, first_split, scale,
-            GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
-            BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
-            SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
-        first_split += splits
+    else:
+        first_split = 0
+        for begin, stop, rows, splits, chunk in ranges:
+            _partial[(batch // rows, heads, splits)](
+                query, key, value, mask, acc, run_max, run_sum,
+                query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+                value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
+                begin, stop, chunk, first_split, scale,
+                GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
+                BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
+                SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
+            first_split += splits
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
                              GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads, **pdl)
     return out
 
 
 def plan(length: int, group_p2: int, share: int = 1, prefix: int = 0) -> list[tuple[int, int, int, int, int]]:
-    """The `_partial` launches of one call: (first position, end, rows a program reads for, slices, positions per
-    slice) of each range, the shared prefix (if any) first. Both ranges together keep to MAX_SPLITS slices, as one
-    range alone does."""
+    """The ranges of one call, a `_partial` launch each (with `ONE_GRID`, both in one `_partials` launch): (first
+    position, end, rows a program reads for, slices, positions per slice) of each, the shared prefix (if any)
+    first. Both ranges together keep to MAX_SPLITS slices, as one range alone does."""
     share = tile_share(share, group_p2)
     prefix = prefix if share > 1 else 0
     spans = [(begin, stop, rows) for begin, stop, rows in ((0, prefix, share), (prefix, length, 1)) if stop > begin]

@@ -27,7 +27,7 @@ from zbench.engine.decode_attention import available
 QUARTER = 256  # columns a lane block holds; four of them share a Philox counter (1,024 columns an iteration)
 PROGRAMS = 512  # (row, slice) programs to aim for: a few per SM, so that loads overlap
 MAX_SPLITS = 64
-NUM_WARPS = 4
+NUM_WARPS = 4  # warps a program (`benchmarks/race_bench.py --warps` compares)
 
 
 def splits(rows: int, vocab: int) -> tuple[int, int]:
