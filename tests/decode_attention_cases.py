@@ -182,15 +182,14 @@ def test_dense_slices_skip_the_mask_and_slices_with_holes_still_read_it(monkeypa
     (16, 4, 100, 300, True),  # 16 rows of 4 heads outgrow a tile: read in sub-runs of 8
     (4, 2, 600, 1100, True),  # 2 + 1 slices: the combine's tile of 4 has one never written
 ])
-@pytest.mark.parametrize("one_grid", [False, True])
-def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, length, trim, one_grid):
+def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, length, trim):
     """Runs of `share` rows with equal keys, values and mask over the first `prefix` positions (GRPO's samples of
     a prompt): the result equals SDPA's, and it reads that part from each run's first row only (garbage in the
     other rows' prefix changes nothing), while past the prefix every row still reads its own. `ONE_GRID` (both
     ranges in one launch) gives what a launch a range gives, bit for bit in the interpreter: the same slices into
     the same slots (compiled, a larger tile than a range's own may add in another order)."""
     monkeypatch.setattr(da, "TRIM", trim)
-    monkeypatch.setattr(da, "ONE_GRID", one_grid)
+    monkeypatch.setattr(da, "ONE_GRID", False)
     batch, dim = 2 * share, 32
     g = torch.Generator().manual_seed(share * 100 + prefix)
     q = torch.randn(batch, 2, group, dim, generator=g)
@@ -210,7 +209,7 @@ def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, l
     assert torch.equal(da.decode_attention(q, k2, v2, mask, dim ** -0.5, share, prefix), got)
     if prefix:  # without the promise, every row reads its own prefix: the garbage shows
         assert da.decode_attention(q, k2, v2, mask, dim ** -0.5).isnan().any()
-    monkeypatch.setattr(da, "ONE_GRID", not one_grid)
+    monkeypatch.setattr(da, "ONE_GRID", True)
     assert torch.equal(da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix), got)
 
 
