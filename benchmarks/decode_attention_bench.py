@@ -27,6 +27,11 @@ from triton.runtime.errors import OutOfResources
 import zbench.engine.decode_attention as da
 
 
+def on_off(parser: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:
+    """A switch of the code measured, `on` and/or `off`, each value given measured in turn."""
+    parser.add_argument(flag, nargs="+", default=[default], choices=("on", "off"), help=help)
+
+
 def graph_time(fn, layers: int, repeats: int) -> float:
     """Microseconds per call of `fn`, captured `layers` times into one CUDA graph and replayed `repeats` times."""
     stream = torch.cuda.Stream()
@@ -68,18 +73,14 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--share", type=int, nargs="+", default=[1],
                         help="rows a run that read their prompt's positions once (1: every row its own)")
-    parser.add_argument("--trim", nargs="+", default=["on"], choices=("on", "off"),
-                        help="each program loops only between its slice's first and last kept positions (on, the "
-                             "default), or over the whole slice")
-    parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
-                        help="with the trim: a slice kept everywhere between its first and last kept positions "
-                             "loops without reading the mask (on, the default), or reads it every block (off)")
-    parser.add_argument("--one-grid", nargs="+", default=["off"], choices=("on", "off"),
-                        help="with --share above 1: the prefix's and the rows' own programs in one launch "
-                             "(`ONE_GRID`), or a launch each (off)")
-    parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
-                        help="programmatic dependent launch (`PDL`): each kernel scheduled while the one before it "
-                             "drains (Hopper and later)")
+    on_off(parser, "--trim", "on", "each program loops only between its slice's first and last kept positions "
+           "(on, the default), or over the whole slice")
+    on_off(parser, "--dense", "on", "with the trim: a slice kept everywhere between its first and last kept "
+           "positions loops without reading the mask (on, the default), or reads it every block (off)")
+    on_off(parser, "--one-grid", "off", "with --share above 1: the prefix's and the rows' own programs in one launch "
+           "(`ONE_GRID`), or a launch each (off)")
+    on_off(parser, "--pdl", "off", "programmatic dependent launch (`PDL`): each kernel scheduled while the one "
+           "before it drains (Hopper and later)")
     args = parser.parse_args()
 
     length = args.width + args.new_tokens

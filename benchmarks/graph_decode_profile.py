@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from decode_attention_bench import on_off  # this script's folder
 from vllm_profile import kernel_table, step_prompts  # this script's folder; imports no vLLM
 
 from zbench.engine.rollout import COMPILE_MODES, DECODE_ATTENTION
@@ -65,18 +66,14 @@ def main() -> None:
                         help="how the decode step is compiled (GraphDecoder's compile_mode; each measured in turn, on a "
                              "fresh copy of the model): recorded as a CUDA graph, and with max-autotune its matrix "
                              "multiplies timed among Triton's templates and cuBLAS while compiling")
-    parser.add_argument("--dense", nargs="+", default=["on"], choices=("on", "off"),
-                        help="the Triton attention's `DENSE`: a slice kept everywhere between its first and last kept "
-                             "positions loops without reading the mask (on, the default), or reads it every block (off); each "
-                             "measured in turn, on a fresh copy of the model")
-    parser.add_argument("--one-grid", nargs="+", default=["off"], choices=("on", "off"),
-                        help="with shared prompts: the Triton attention's prefix and per-row programs in one "
-                             "launch (`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of "
-                             "the model")
-    parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
-                        help="programmatic dependent launch for the Triton attention's kernels (`PDL`) and Inductor's "
-                             "own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one "
-                             "before it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--dense", "on", "the Triton attention's `DENSE`: a slice kept everywhere between its first and "
+           "last kept positions loops without reading the mask (on, the default), or reads it every block (off); "
+           "each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--one-grid", "off", "with shared prompts: the Triton attention's prefix and per-row programs in "
+           "one launch (`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--pdl", "off", "programmatic dependent launch for the Triton attention's kernels (`PDL`) and "
+           "Inductor's own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one before "
+           "it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")

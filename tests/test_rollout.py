@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -310,15 +311,20 @@ def test_recorded_decode_step_with_triton_attention_equals_sdpa_on_cuda(tiny):
     assert any(e.name == "_partial" for e in prof.events()), "the recorded step fell back to SDPA"
 
 
+def _grpo_rows_on_cuda(tiny) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """GRPO's rows on CUDA, 3 prompts x 4 samples, and greedy `generate` arguments for 24 tokens over them."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None, "samples": 4}
+    return model, input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda(), kwargs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
 def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
     """GRPO's rows on CUDA, 3 prompts x 4 samples: the recorded step that reads each prompt's keys once a run
     decodes the greedy tokens SDPA's recorded step decodes."""
-    model, pad_id, eos_ids, input_ids, mask = tiny
-    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
-              "generator": None, "samples": 4}
-    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     sdpa = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="sdpa").generate(ids, mask, **kwargs)
     shared = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
     assert torch.equal(shared.generate(ids, mask, **kwargs), sdpa)
@@ -336,10 +342,7 @@ def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_token
     cannot run the wait at all."""
     from zbench.engine import decode_attention
 
-    model, pad_id, eos_ids, input_ids, mask = tiny
-    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
-              "generator": None, "samples": 4}
-    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     plain = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
     monkeypatch.setattr(decode_attention, "PDL", True)
     with torch._inductor.config.patch({"triton.enable_pdl": True}):
@@ -358,10 +361,7 @@ def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monke
     the kernel)."""
     from zbench.engine import decode_attention
 
-    model, pad_id, eos_ids, input_ids, mask = tiny
-    kwargs = {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
-              "generator": None, "samples": 4}
-    ids, mask = input_ids[:3].repeat_interleave(4, 0).cuda(), mask[:3].repeat_interleave(4, 0).cuda()
+    model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     ranges = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
     monkeypatch.setattr(decode_attention, "ONE_GRID", True)
     joined = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")

@@ -149,28 +149,27 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     mask = mask.view(torch.uint8)
     hopper = PDL and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 9
     pdl = {"PDL": True, "launch_pdl": True} if hopper else {}
+    inputs = (query, key, value, mask, acc, run_max, run_sum,
+              query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+              value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1))
+    common = {"GROUP": group, "GROUP_P2": group_p2, "DIM": dim, "BLOCK": BLOCK_N, "SPLITS": splits_p2,
+              "HEADS": heads, "STAGES": STAGES, "TRIM": TRIM, "DENSE": DENSE, "num_warps": NUM_WARPS, **pdl}
+
+    def tile(rows: int, chunk: int) -> dict[str, int]:  # a program's tile rows and mask scan
+        return {"ROWS": max(16, triton.next_power_of_2(rows * group_p2)),
+                "SCAN": min(1024, triton.next_power_of_2(chunk))}
+
     if ONE_GRID and len(ranges) == 2:
         (begin0, stop0, rows0, splits0, chunk0), (begin1, stop1, rows1, splits1, chunk1) = ranges
         programs0 = batch // rows0 * splits0
         _partials[(programs0 + batch // rows1 * splits1, heads)](
-            query, key, value, mask, acc, run_max, run_sum,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-            batch, programs0, begin0, stop0, chunk0, rows0, begin1, stop1, chunk1, rows1, splits0, scale,
-            GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(max(rows0, rows1) * group_p2)),
-            DIM=dim, BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
-            SCAN=min(1024, triton.next_power_of_2(max(chunk0, chunk1))), DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
+            *inputs, batch, programs0, begin0, stop0, chunk0, rows0, begin1, stop1, chunk1, rows1, splits0, scale,
+            **tile(max(rows0, rows1), max(chunk0, chunk1)), **common)
     else:
         first_split = 0
         for begin, stop, rows, splits, chunk in ranges:
-            _partial[(batch // rows, heads, splits)](
-                query, key, value, mask, acc, run_max, run_sum,
-                query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-                value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
-                begin, stop, chunk, first_split, scale,
-                GROUP=group, GROUP_P2=group_p2, ROWS=max(16, triton.next_power_of_2(rows * group_p2)), DIM=dim,
-                BLOCK=BLOCK_N, SPLITS=splits_p2, HEADS=heads, STAGES=STAGES, TRIM=TRIM,
-                SCAN=min(1024, triton.next_power_of_2(chunk)), SHARE=rows, DENSE=DENSE, num_warps=NUM_WARPS, **pdl)
+            _partial[(batch // rows, heads, splits)](*inputs, begin, stop, chunk, first_split, scale,
+                                                     **tile(rows, chunk), SHARE=rows, **common)
             first_split += splits
     _combine[(batch, heads)](acc, run_max, run_sum, out, out.stride(0), out.stride(1), out.stride(2), used,
                              GROUP=group, GROUP_P2=group_p2, DIM=dim, SPLITS=splits_p2, HEADS=heads, **pdl)
