@@ -77,10 +77,10 @@ def main() -> None:
            "(on, the default), or over the whole slice")
     on_off(parser, "--dense", "on", "with the trim: a slice kept everywhere between its first and last kept "
            "positions loops without reading the mask (on, the default), or reads it every block (off)")
-    on_off(parser, "--one-grid", "off", "with --share above 1: the prefix's and the rows' own programs in one launch "
-           "(`ONE_GRID`), or a launch each (off)")
-    on_off(parser, "--pdl", "off", "programmatic dependent launch (`PDL`): each kernel scheduled while the one "
-           "before it drains (Hopper and later)")
+    on_off(parser, "--one-grid", "on", "with --share above 1: the prefix's and the rows' own programs in one launch "
+           "(`ONE_GRID`, the default), or a launch each (off)")
+    on_off(parser, "--pdl", "on", "programmatic dependent launch (`PDL`, the default): each kernel scheduled while "
+           "the one before it drains (Hopper and later)")
     args = parser.parse_args()
 
     length = args.width + args.new_tokens

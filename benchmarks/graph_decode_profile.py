@@ -26,7 +26,7 @@ import torch
 from decode_attention_bench import on_off  # this script's folder
 from vllm_profile import kernel_table, step_prompts  # this script's folder; imports no vLLM
 
-from zbench.engine.rollout import COMPILE_MODES, DECODE_ATTENTION
+from zbench.engine.rollout import COMPILE_MODES, DECODE_ATTENTION, inductor_has_pdl
 
 
 def main() -> None:
@@ -69,16 +69,16 @@ def main() -> None:
     on_off(parser, "--dense", "on", "the Triton attention's `DENSE`: a slice kept everywhere between its first and "
            "last kept positions loops without reading the mask (on, the default), or reads it every block (off); "
            "each measured in turn, on a fresh copy of the model")
-    on_off(parser, "--one-grid", "off", "with shared prompts: the Triton attention's prefix and per-row programs in "
-           "one launch (`ONE_GRID`), or a launch each (off); each measured in turn, on a fresh copy of the model")
-    on_off(parser, "--pdl", "off", "programmatic dependent launch for the Triton attention's kernels (`PDL`) and "
-           "Inductor's own (`torch._inductor.config.triton.enable_pdl`): each kernel scheduled while the one before "
-           "it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--one-grid", "on", "with shared prompts: the Triton attention's prefix and per-row programs in "
+           "one launch (`ONE_GRID`, the default), or a launch each (off); each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--pdl", "on", "programmatic dependent launch for the Triton attention's kernels (`PDL`, the "
+           "default) and Inductor's own (GraphDecoder compiles them with `triton.enable_pdl`): each kernel scheduled "
+           "while the one before it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
     args = parser.parse_args()
-    if "on" in args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+    if "on" in args.pdl and not inductor_has_pdl():
         parser.error(f"--pdl on: torch {torch.__version__}'s Inductor has no `triton.enable_pdl`")
     if args.data and any(b % args.n for b in args.batch):
         parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
@@ -126,9 +126,7 @@ def main() -> None:
             continue
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
         decode_attention.ONE_GRID = one_grid == "on"
-        decode_attention.PDL = pdl == "on"
-        if hasattr(torch._inductor.config.triton, "enable_pdl"):  # read when the step is compiled
-            torch._inductor.config.triton.enable_pdl = pdl == "on"
+        decode_attention.PDL = pdl == "on"  # GraphDecoder compiles Inductor's kernels of the step the same way
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
                              compile_mode=mode)

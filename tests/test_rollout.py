@@ -17,6 +17,7 @@ from zbench.engine.rollout import (
     GraphDecoder,
     HFRollout,
     gqa_decode_attention,
+    inductor_has_pdl,
     one_prompt_width,
     resolve_decode_attention,
     response_mask_from,
@@ -333,43 +334,46 @@ def test_recorded_step_reads_each_prompt_once_for_its_samples_on_cuda(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9
-                    or not hasattr(torch._inductor.config.triton, "enable_pdl"),
+                    or not inductor_has_pdl(),
                     reason="programmatic dependent launch needs a Hopper GPU or later, and Inductor's switch for it")
 def test_recorded_step_with_programmatic_dependent_launch_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
-    """`decode_attention.PDL` with Inductor's `triton.enable_pdl` (`graph_decode_profile.py --pdl on`), a smoke
-    test: the recorded step compiles and replays with the kernels launched early and waiting, and GRPO's rows decode
-    the tokens they decode without it. A missing wait is a race these few tokens may not expose; the interpreter
-    cannot run the wait at all."""
+    """`decode_attention.PDL` (the default) with Inductor's kernels of the step compiled for it, a smoke test: the
+    recorded step compiles and replays with the kernels launched early and waiting, and GRPO's rows decode the tokens
+    they decode without it. A missing wait is a race these few tokens may not expose; the interpreter cannot run the
+    wait at all."""
     from zbench.engine import decode_attention
 
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
-    plain = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
-    monkeypatch.setattr(decode_attention, "PDL", True)
-    with torch._inductor.config.patch({"triton.enable_pdl": True}):
-        overlapped = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
-        assert torch.equal(overlapped.generate(ids, mask, **kwargs), plain)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            overlapped.generate(ids, mask, **kwargs)
-    assert any(e.name == "_partial" for e in prof.events()), "the recorded step fell back to SDPA"
+    overlapped = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+    assert overlapped.pdl
+    tokens = overlapped.generate(ids, mask, **kwargs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        overlapped.generate(ids, mask, **kwargs)
+    assert any(e.name.startswith("_partial") for e in prof.events()), "the recorded step fell back to SDPA"
+    monkeypatch.setattr(decode_attention, "PDL", False)
+    plain = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+    assert not plain.pdl
+    assert torch.equal(plain.generate(ids, mask, **kwargs), tokens)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
 def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monkeypatch):
-    """`decode_attention.ONE_GRID`: GRPO's rows, the shared prefix's programs and each row's own in one `_partials`
-    launch, decode the tokens a launch a range decodes, compiled for the GPU (the interpreter tests do not compile
-    the kernel)."""
+    """`decode_attention.ONE_GRID` (the default): GRPO's rows, the shared prefix's programs and each row's own in one
+    `_partials` launch, decode the tokens a launch a range decodes, compiled for the GPU (the interpreter tests do not
+    compile the kernel)."""
     from zbench.engine import decode_attention
 
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
-    ranges = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton").generate(ids, mask, **kwargs)
-    monkeypatch.setattr(decode_attention, "ONE_GRID", True)
     joined = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
-    assert torch.equal(joined.generate(ids, mask, **kwargs), ranges)
+    tokens = joined.generate(ids, mask, **kwargs)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         joined.generate(ids, mask, **kwargs)
     names = {e.name for e in prof.events()}
     assert "_partials" in names and "_partial" not in names
+    monkeypatch.setattr(decode_attention, "ONE_GRID", False)
+    ranges = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
+    assert torch.equal(ranges.generate(ids, mask, **kwargs), tokens)
 
 
 class HostReleasableMemory:

@@ -30,6 +30,7 @@ against SDPA (the kernels' module is imported at the first call, so the variable
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -52,18 +53,20 @@ TRIM = True  # each program first finds its slice's first and last kept position
 # reading the mask, so its key and value loads wait on no other load; a slice with holes reads it every block
 # (`benchmarks/decode_attention_bench.py --dense on off` and `graph_decode_profile.py --dense on off` compare)
 DENSE = True
-# programmatic dependent launch (CUDA, Hopper and later; elsewhere ignored): each kernel may be scheduled while the
-# kernel before it drains, and waits for it before reading or writing anything, which hides part of the gap between
-# kernels in a recorded step. A wait covers the kernel just before, so a chain holds only where every kernel in it
-# waits (Inductor's, with `triton.enable_pdl`, wait before what they load). None signals its dependents early
-# (`gdc_launch_dependents`). Off until measured (`benchmarks/graph_decode_profile.py --pdl on off`, which sets
-# Inductor's own kernels the same way)
-PDL = False
+# programmatic dependent launch (CUDA, Hopper and later; elsewhere ignored, `pdl_applies`): each kernel may be
+# scheduled while the kernel before it drains, and waits for it before reading or writing anything, which hides part
+# of the gap between kernels in a recorded step. A wait covers the kernel just before, so a chain holds only where
+# every kernel in it waits: the graph loop compiles Inductor's kernels with `triton.enable_pdl` too, which wait before
+# what they load (`zbench.engine.rollout.GraphDecoder`). None signals its dependents early (`gdc_launch_dependents`).
+# GRPO's rollout on an H200, 128 rows: 1.684 -> 1.651 s with ONE_GRID off, 1.610 -> 1.565 s with it on
+# (results/reference/h200x2-pdl-20261128; `benchmarks/graph_decode_profile.py --pdl on off`)
+PDL = True
 # a shared prefix's programs and the rows' own in one `_partials` launch, not a `_partial` launch a range: one kernel
 # fewer a call, and the prefix's few programs run beside the others instead of alone. Where the two ranges' tiles
-# differ (runs of rows x query heads past 16), every program takes the larger. Off until measured
-# (`benchmarks/decode_attention_bench.py --one-grid on off`, `graph_decode_profile.py --one-grid on off`)
-ONE_GRID = False
+# differ (runs of rows x query heads past 16), every program takes the larger. On an H200, runs of 4 at 128 rows:
+# 36.2 -> 33.6 us a call at 64 generated positions, 82.9 -> 77.2 at 448; GRPO's rollout 1.684 -> 1.610 s
+# (results/reference/h200x2-pdl-20261128; `benchmarks/decode_attention_bench.py --one-grid on off`)
+ONE_GRID = True
 # rows of a shared-prefix program's tile at most: a run's rows x their query heads a key/value head (rounded up to a
 # power of 2); a longer run is read in sub-runs that fit (tiles of 16 rows measured on an H100 and H200, not more)
 MAX_SHARED_QUERIES = 32
@@ -75,6 +78,19 @@ def available(device: torch.device) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or _interpreting()
+
+
+def pdl_applies(device: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch on `device`: `PDL` is on and it is a CUDA GPU
+    of compute capability 9 (Hopper) or later."""
+    if not PDL or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _interpreting() -> bool:
@@ -147,8 +163,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     run_sum = torch.empty(stats, dtype=torch.float32, device=query.device)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     mask = mask.view(torch.uint8)
-    hopper = PDL and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 9
-    pdl = {"PDL": True, "launch_pdl": True} if hopper else {}
+    pdl = {"PDL": True, "launch_pdl": True} if pdl_applies(query.device) else {}
     inputs = (query, key, value, mask, acc, run_max, run_sum,
               query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
               value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1))

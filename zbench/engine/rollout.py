@@ -195,6 +195,13 @@ class LoopState:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
+def inductor_has_pdl() -> bool:
+    """Whether this torch's Inductor can compile its Triton kernels for programmatic dependent launch."""
+    import torch._inductor.config as inductor
+
+    return hasattr(inductor.triton, "enable_pdl")
+
+
 def plain_static_layers(config: Any) -> bool:
     """Whether transformers' static cache for this model is all plain `StaticLayer`s (no sliding window, indexer
     keys or recurrent state), whose keys and values `GraphDecoder` can place itself."""
@@ -251,7 +258,7 @@ class GraphDecoder:
         self.compile = compile
         self.sync_every = sync_every
         # the recorded step draws its token and keeps the books too (`race_sampling`), where top_p does not cut
-        from zbench.engine.decode_attention import available
+        from zbench.engine.decode_attention import available, pdl_applies
 
         device = next(model.parameters()).device
         self.sample_in_graph = sample_in_graph and compile and (device.type != "cuda" or available(device))
@@ -275,9 +282,14 @@ class GraphDecoder:
         self.shared_prefix: tuple[int, int] = (1, 0)
         self._decode = self._forward
         self._decode_and_draw = self._step
+        # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
+        self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
         if compile:
-            self._decode = torch.compile(self._forward, mode=compile_mode, dynamic=False)
-            self._decode_and_draw = torch.compile(self._step, mode=compile_mode, dynamic=False)
+            import torch._inductor
+
+            options = torch._inductor.list_mode_options(compile_mode) | ({"triton.enable_pdl": True} if self.pdl else {})
+            self._decode = torch.compile(self._forward, options=options, dynamic=False)
+            self._decode_and_draw = torch.compile(self._step, options=options, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
                  shared: tuple[int, int] = (1, 0)) -> torch.Tensor:
