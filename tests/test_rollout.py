@@ -69,6 +69,20 @@ def test_an_unknown_compile_mode_is_refused_before_the_model_is_touched(tiny):
     assert model.config._attn_implementation == attention  # attention not switched
 
 
+def test_the_loop_reports_the_triton_attentions_switches_as_it_runs_them(tiny, monkeypatch):
+    """`decode_kernels` (result.json's `graph_decode_kernels`): the switches of `zbench.engine.decode_attention` as
+    read when the loop runs, and programmatic dependent launch only where the step is compiled on a GPU that has it
+    (never on a CPU); nothing with SDPA."""
+    from zbench.engine import decode_attention
+
+    assert GraphDecoder(copy.deepcopy(tiny[0]), compile=False, attention="sdpa").decode_kernels is None
+    triton = GraphDecoder(tiny[0], compile=False, attention="triton")
+    assert triton.decode_kernels == {"dense": True, "one_grid": True, "pdl": False}
+    monkeypatch.setattr(decode_attention, "ONE_GRID", False)
+    assert triton.decode_kernels == {"dense": True, "one_grid": False, "pdl": False}
+    assert not decode_attention.pdl_applies(torch.device("cpu"))
+
+
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
     model, pad_id, eos_ids, input_ids, mask = tiny
     assert (mask == 0).any()

@@ -298,6 +298,16 @@ class GraphDecoder:
                          use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1, :]
 
+    @property
+    def decode_kernels(self) -> dict[str, bool] | None:
+        """With the Triton attention, its switches as this loop runs them (`zbench.engine.decode_attention`: `DENSE`,
+        `ONE_GRID`, and `pdl`: `PDL` in effect for its kernels and Inductor's on this device); None with SDPA."""
+        if self.attention != "triton":
+            return None
+        from zbench.engine import decode_attention
+
+        return {"dense": decode_attention.DENSE, "one_grid": decode_attention.ONE_GRID, "pdl": self.pdl}
+
     def draws_in_graph(self, top_p: float) -> bool:
         """Whether `generate` at this top_p draws inside the recorded step (`_step`) rather than between steps."""
         return self.sample_in_graph and top_p >= 1.0
@@ -556,6 +566,12 @@ class HFRollout:
         if self.graph is None:
             return None
         return "in-graph" if self.graph.draws_in_graph(self.top_p) else "eager"
+
+    @property
+    def decode_kernels(self) -> dict[str, bool] | None:
+        """The Triton decode attention's switches as the graph loop runs them, for the case's result.json
+        (`GraphDecoder.decode_kernels`); None without the graph loop or with SDPA."""
+        return self.graph.decode_kernels if self.graph is not None else None
 
     @property
     def kv_cache(self) -> str | None:

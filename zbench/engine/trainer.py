@@ -634,6 +634,7 @@ class Trainer:
                 **({"vllm_model_runner": self.info["model_runner"]} if self.info.get("model_runner") else {}),
                 **({"graph_decode_attention": self.info["decode_attention"],
                     "graph_merged_projections": self.info.get("merged_projections"),
+                    "graph_decode_kernels": self.info.get("decode_kernels"),
                     "graph_prompt_width": self.info.get("prompt_width"),
                     "graph_sampling": self.info.get("sampling"), "graph_kv_cache": self.info.get("kv_cache")}
                    if self.info.get("decode_attention") else {}),

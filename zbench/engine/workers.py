@@ -639,6 +639,7 @@ class PolicyWorker(_Worker):
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
+                "decode_kernels": getattr(self.rollout, "decode_kernels", None),  # the hf graph loop's Triton switches
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
                 "kv_cache": getattr(self.rollout, "kv_cache", None),  # the graph loop's between rollouts
