@@ -4,9 +4,10 @@ step, for each kernel geometry asked: programs aimed at (`PROGRAMS`: how finely 
 columns a lane block holds (`QUARTER`) and warps a program (`NUM_WARPS`).
 
 In GRPO's recorded step at 128 rows the kernel `_race` took about 82 µs a token on an H200
-(results/reference/h200x2-dense-20261128), where reading the logits alone takes about 13 µs at 3 TB/s; 512 programs
-of 4 warps keep 16 warps an SM, which is thin cover for the Philox draws' and logarithms' latency (inferred, not
-measured). The time here is the whole op (the kernel, then the argmax over each row's slices and a gather), so it
+(results/reference/h200x2-dense-20261128), where reading the logits alone takes about 13 µs at 3 TB/s. Measured
+here on an H200 (results/reference/h200x2-pdl-20261128): 82.8 µs a draw with 512 programs of 4 warps, 75.4 with 8
+warps (now the default), 75.1-78.6 with more programs; more warps to cover the Philox draws' and logarithms' latency
+helped a little, finer slicing nothing; the draw stays at about 0.5 TB/s of logits. The time here is the whole op (the kernel, then the argmax over each row's slices and a gather), so it
 is a little more than the kernel alone. Each line says whether the variant drew the default geometry's tokens: for
 a given batch, vocabulary and `QUARTER` a column's Philox counter depends on the row, step and column alone, not on
 the slicing; `QUARTER` changes draws (four columns share a counter).

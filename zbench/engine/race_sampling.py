@@ -27,7 +27,9 @@ from zbench.engine.decode_attention import available
 QUARTER = 256  # columns a lane block holds; four of them share a Philox counter (1,024 columns an iteration)
 PROGRAMS = 512  # (row, slice) programs to aim for: a few per SM, so that loads overlap
 MAX_SPLITS = 64
-NUM_WARPS = 4  # warps a program (`benchmarks/race_bench.py --warps` compares)
+# warps a program. 8 against 4 on an H200, a bf16 vocabulary of 151,936: 75.4 against 82.8 us a draw at 128 rows,
+# 24.7 against 26.6 at 32, the same tokens (results/reference/h200x2-pdl-20261128; `benchmarks/race_bench.py --warps`)
+NUM_WARPS = 8
 
 
 def splits(rows: int, vocab: int) -> tuple[int, int]:
