@@ -74,6 +74,10 @@ def main() -> None:
     on_off(parser, "--pdl", "on", "programmatic dependent launch for the Triton attention's kernels (`PDL`, the "
            "default) and Inductor's own (GraphDecoder compiles them with `triton.enable_pdl`): each kernel scheduled "
            "while the one before it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
+    parser.add_argument("--steps-per-graph", type=int, nargs="+", default=[1],
+                        help="with the in-graph draw: decode steps captured as one CUDA graph (GraphDecoder's "
+                             "steps_per_graph; 1: torch.compile records each step), each measured in turn, on a "
+                             "fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
                              "and the longest gaps with the kernel that ended each")
@@ -118,18 +122,19 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense, one_grid, pdl in itertools.product(
+    for attention, merge, sampler, share, mode, dense, one_grid, pdl, chained in itertools.product(
             args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_grid,
-            args.pdl):
+            args.pdl, args.steps_per_graph):
         samples = args.n if args.data and share == "on" else 1
-        if one_grid == "on" and (attention != "triton" or samples == 1):  # no shared prefix: nothing to join
+        joined = attention == "triton" and samples > 1  # else no shared prefix: nothing for ONE_GRID to join
+        if not joined and one_grid != args.one_grid[0]:  # so one run, labelled None
             continue
         decode_attention.DENSE = dense == "on"  # read when the step is recorded
         decode_attention.ONE_GRID = one_grid == "on"
         decode_attention.PDL = pdl == "on"  # GraphDecoder compiles Inductor's kernels of the step the same way
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
-                             compile_mode=mode)
+                             compile_mode=mode, steps_per_graph=chained)
         for ids, mask in batches:
             batch, width = ids.shape
 
@@ -151,7 +156,8 @@ def main() -> None:
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
                           "dense": dense if attention == "triton" else None,
-                          "one_grid": one_grid if attention == "triton" else None, "pdl": pdl,
+                          "one_grid": one_grid if joined else None, "pdl": pdl, "pdl_in_effect": graph.pdl,
+                          "steps_per_graph": graph.steps_per_graph,
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

@@ -16,6 +16,7 @@ from zbench.engine.rollout import (
     GQA_DECODE,
     GraphDecoder,
     HFRollout,
+    chain_lengths,
     gqa_decode_attention,
     inductor_has_pdl,
     one_prompt_width,
@@ -81,6 +82,17 @@ def test_the_loop_reports_the_triton_attentions_switches_as_it_runs_them(tiny, m
     monkeypatch.setattr(decode_attention, "ONE_GRID", False)
     assert triton.decode_kernels == {"dense": True, "one_grid": False, "pdl": False}
     assert not decode_attention.pdl_applies(torch.device("cpu"))
+
+
+def test_steps_split_into_runs_that_never_pass_the_last(tiny):
+    """`chain_lengths`: full runs of `steps_per_graph` decode steps, then the rest; and a decoder off CUDA (or one
+    drawing between steps) replays one step at a time whatever it was asked."""
+    assert chain_lengths(510, 8) == [8] * 63 + [6]
+    assert chain_lengths(16, 8) == [8, 8] and chain_lengths(3, 8) == [3] and chain_lengths(0, 8) == []
+    assert chain_lengths(5, 1) == [1] * 5
+    with pytest.raises(ValueError, match="steps_per_graph 0: the decode steps one CUDA graph holds, at least 1"):
+        GraphDecoder(copy.deepcopy(tiny[0]), compile=False, steps_per_graph=0)
+    assert GraphDecoder(tiny[0], compile=False, steps_per_graph=8).steps_per_graph == 1
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
@@ -388,6 +400,31 @@ def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monke
     monkeypatch.setattr(decode_attention, "ONE_GRID", False)
     ranges = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention="triton")
     assert torch.equal(ranges.generate(ids, mask, **kwargs), tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cuda(tiny, attention):
+    """`steps_per_graph` 4 with checks for all rows done every 8 steps: GRPO's rows, sampled at temperature 1 from one
+    seed, draw the tokens the recorded step draws one step a replay, in the first rollout (which captures the runs)
+    and in the next (which replays them): of 23 steps, the first runs the compiled step as it is, then 5 runs of 4
+    and one of 2 (fewer where every row ended early)."""
+    model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
+    kwargs = kwargs | {"temperature": 1.0}
+
+    def rollouts(decoder: GraphDecoder) -> list[torch.Tensor]:
+        return [decoder.generate(ids, mask, **kwargs | {"generator": torch.Generator("cuda").manual_seed(seed)})
+                for seed in (5, 6)]
+
+    one = rollouts(GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention))
+    chained = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, steps_per_graph=4,
+                           sync_every=8)
+    assert chained.steps_per_graph == 4
+    got = rollouts(chained)
+    assert {key[-1] for key in chained._chains} <= {4, 2} and 4 in {key[-1] for key in chained._chains}  # captured once
+    assert all(torch.equal(a, b) for a, b in zip(got, one, strict=True))
+    assert not torch.equal(got[0], got[1])  # the seeds drew apart: the draws were not all the same token
 
 
 class HostReleasableMemory:

@@ -195,6 +195,13 @@ class LoopState:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
+def chain_lengths(steps: int, per_graph: int) -> list[int]:
+    """How `steps` decode steps split into runs of `per_graph` captured as one CUDA graph each: full runs, then what
+    is left (`GraphDecoder.steps_per_graph`); a graph never runs past the last step, whose responses end there."""
+    full, rest = divmod(steps, per_graph)
+    return [per_graph] * full + ([rest] if rest else [])
+
+
 def inductor_has_pdl() -> bool:
     """Whether this torch's Inductor can compile its Triton kernels for programmatic dependent launch."""
     import torch._inductor.config as inductor
@@ -215,6 +222,10 @@ def plain_static_layers(config: Any) -> bool:
 # how the decode step is compiled: both record it as a CUDA graph; max-autotune also times Triton's matrix-multiply
 # templates against cuBLAS for each of the step's shapes (and tunes its other kernels) while it compiles
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
+# decode steps in one CUDA graph (`GraphDecoder.steps_per_graph`): 1 replays one recorded step a token (torch.compile's
+# CUDA graphs); n > 1 captures n steps of the compiled step as one graph, so the host launches, and dynamo checks its
+# guards, once every n tokens. Off until measured on a GPU (`benchmarks/graph_decode_profile.py --steps-per-graph`)
+STEPS_PER_GRAPH = 1
 
 
 class GraphDecoder:
@@ -244,11 +255,14 @@ class GraphDecoder:
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
                  merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False,
-                 compile_mode: str = "reduce-overhead"):
+                 compile_mode: str = "reduce-overhead", steps_per_graph: int | None = None):
         from zbench.engine.merged_projections import merge_projections
 
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
+        steps_per_graph = STEPS_PER_GRAPH if steps_per_graph is None else steps_per_graph
+        if steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph {steps_per_graph}: the decode steps one CUDA graph holds, at least 1")
 
         use_gqa_decode_attention(model, attention)
         self.attention = attention
@@ -284,11 +298,18 @@ class GraphDecoder:
         self._decode_and_draw = self._step
         # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
         self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
+        # the in-graph draw's steps captured n at a time (`STEPS_PER_GRAPH`), on CUDA; 1: torch.compile records each
+        self.steps_per_graph = steps_per_graph if self.sample_in_graph and device.type == "cuda" else 1
+        # the captured runs of steps, by (what the cache slot is for, the step's constants, steps) and their memory
+        self._chains: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
+        self._chain_pool: Any = None
         if compile:
             import torch._inductor
 
             options = torch._inductor.list_mode_options(compile_mode) | ({"triton.enable_pdl": True} if self.pdl else {})
             self._decode = torch.compile(self._forward, options=options, dynamic=False)
+            if self.steps_per_graph > 1:  # compiled, not recorded: `_replay_chained` captures runs of it
+                options = {k: v for k, v in options.items() if k != "triton.cudagraphs"}
             self._decode_and_draw = torch.compile(self._step, options=options, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
@@ -335,6 +356,7 @@ class GraphDecoder:
         if self._cache_memory is not None:  # its pages now; its addresses once nothing views them
             self._cache_memory.release()
         self._cache_slot = self._cache_memory = None
+        self._chains.clear()  # they replay over the cache and loop state just dropped
 
     def free_cache(self) -> None:
         """Give the KV cache's GPU memory back until the next `generate`: its pages where it lives at fixed addresses
@@ -503,6 +525,9 @@ class GraphDecoder:
         state.token.copy_(first[:, None])
         state.position.copy_(positions[:, -1:] + 1)
         state.column.fill_(width)
+        if self.compile and self.steps_per_graph > 1:
+            self._replay_chained(mask, cache, state, (temperature, pad_id, shared))
+            return state.responses.clone()
         for t in range(1, state.responses.shape[1]):
             if t % self.sync_every == 0 and bool(state.done.all()):
                 break
@@ -510,6 +535,35 @@ class GraphDecoder:
                 torch.compiler.cudagraph_mark_step_begin()
             self._decode_and_draw(mask, cache, state, temperature, pad_id, shared)
         return state.responses.clone()
+
+    def _replay_chained(self, mask: torch.Tensor, cache: Any, state: LoopState,
+                        constants: tuple[float, int, tuple[int, int]]) -> None:
+        """`_generate_in_graph`'s steps with `steps_per_graph` of them in one CUDA graph: the first step runs the
+        compiled step as it is (compiling it the first time), then each run of steps (`chain_lengths`) replays a
+        graph captured from the compiled step for that many steps, over the same cache, mask and loop state, so it
+        draws the same tokens as one step a replay. The host checks for all rows done before a run once
+        `sync_every` steps have passed since it last did."""
+        steps = state.responses.shape[1] - 1
+        if steps == 0:
+            return
+        self._decode_and_draw(mask, cache, state, *constants)
+        unchecked = 1
+        for length in chain_lengths(steps - 1, self.steps_per_graph):
+            if unchecked >= self.sync_every:
+                if bool(state.done.all()):
+                    return
+                unchecked = 0
+            key = (self._cache_slot[0] if self._cache_slot else None, *constants, length)
+            if key not in self._chains:
+                self._chain_pool = self._chain_pool or torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # recorded, not run; other threads of the process (a trainer's) may use the GPU meanwhile
+                with torch.cuda.graph(graph, pool=self._chain_pool, capture_error_mode="thread_local"):
+                    for _ in range(length):
+                        self._decode_and_draw(mask, cache, state, *constants)
+                self._chains[key] = graph
+            self._chains[key].replay()
+            unchecked += length
 
 
 class HFRollout:
