@@ -406,25 +406,36 @@ def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cuda(tiny, attention):
-    """`steps_per_graph` 4 with checks for all rows done every 8 steps: GRPO's rows, sampled at temperature 1 from one
-    seed, draw the tokens the recorded step draws one step a replay, in the first rollout (which captures the runs)
-    and in the next (which replays them): of 23 steps, the first runs the compiled step as it is, then 5 runs of 4
-    and one of 2 (fewer where every row ended early)."""
+    """`steps_per_graph` 4 with checks for all rows done every 8 steps: GRPO's rows, sampled at temperature 1, draw
+    the tokens the recorded step draws one step a replay, and leave the same cache, mask and loop state behind. Of 23
+    steps the first runs the compiled step as it is, then 5 runs of 4 and one of 2 replay captured graphs. Rollouts
+    at one prompt width, a wider one (a new cache: the graphs and their pool go), then the first width again (captured
+    anew), each from its own seed."""
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     kwargs = kwargs | {"temperature": 1.0}
+    wide = (torch.nn.functional.pad(ids, (8, 0), value=kwargs["pad_id"]), torch.nn.functional.pad(mask, (8, 0)))
+    batches = [(ids, mask), wide, (ids, mask)]
 
-    def rollouts(decoder: GraphDecoder) -> list[torch.Tensor]:
-        return [decoder.generate(ids, mask, **kwargs | {"generator": torch.Generator("cuda").manual_seed(seed)})
-                for seed in (5, 6)]
+    def rollouts(decoder: GraphDecoder) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        out = []
+        for seed, (rows, kept) in enumerate(batches):
+            tokens = decoder.generate(rows, kept, **kwargs | {"generator": torch.Generator("cuda").manual_seed(seed)})
+            _, cache, loop_mask, state = decoder._cache_slot
+            left = [loop_mask, *state.tensors()]
+            left += [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+            out.append((tokens, [t.clone() for t in left]))
+        return out
 
     one = rollouts(GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention))
     chained = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, steps_per_graph=4,
                            sync_every=8)
     assert chained.steps_per_graph == 4
     got = rollouts(chained)
-    assert {key[-1] for key in chained._chains} <= {4, 2} and 4 in {key[-1] for key in chained._chains}  # captured once
-    assert all(torch.equal(a, b) for a, b in zip(got, one, strict=True))
-    assert not torch.equal(got[0], got[1])  # the seeds drew apart: the draws were not all the same token
+    assert {key[-1] for key in chained._chains} <= {4, 2} and 4 in {key[-1] for key in chained._chains}
+    for (tokens, left), (expected, expected_left) in zip(got, one, strict=True):
+        assert torch.equal(tokens, expected)
+        assert all(torch.equal(a, b) for a, b in zip(left, expected_left, strict=True))
+    assert not torch.equal(got[0][0], got[2][0])  # the seeds drew apart: the draws were not all the same token
 
 
 class HostReleasableMemory:

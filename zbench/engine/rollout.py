@@ -298,18 +298,22 @@ class GraphDecoder:
         self._decode_and_draw = self._step
         # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
         self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
-        # the in-graph draw's steps captured n at a time (`STEPS_PER_GRAPH`), on CUDA; 1: torch.compile records each
-        self.steps_per_graph = steps_per_graph if self.sample_in_graph and device.type == "cuda" else 1
-        # the captured runs of steps, by (what the cache slot is for, the step's constants, steps) and their memory
+        # the in-graph draw's steps captured n at a time (`STEPS_PER_GRAPH`), on CUDA, where every step's position
+        # lives in device tensors: a sliding window's layer counts on the host, which a replay would not advance
+        chains = self.sample_in_graph and device.type == "cuda" and plain_static_layers(model.config)
+        self.steps_per_graph = steps_per_graph if chains else 1
+        # the captured runs of steps, by (what the cache slot is for, the step's constants, steps), their memory, and
+        # the stream that runs a rollout's first step and captures: its cuBLAS workspace then lives outside the pool
         self._chains: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._chain_pool: Any = None
+        self._chain_stream: Any = None
         if compile:
             import torch._inductor
 
             options = torch._inductor.list_mode_options(compile_mode) | ({"triton.enable_pdl": True} if self.pdl else {})
             self._decode = torch.compile(self._forward, options=options, dynamic=False)
             if self.steps_per_graph > 1:  # compiled, not recorded: `_replay_chained` captures runs of it
-                options = {k: v for k, v in options.items() if k != "triton.cudagraphs"}
+                options = options | {"triton.cudagraphs": False}
             self._decode_and_draw = torch.compile(self._step, options=options, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
@@ -357,6 +361,7 @@ class GraphDecoder:
             self._cache_memory.release()
         self._cache_slot = self._cache_memory = None
         self._chains.clear()  # they replay over the cache and loop state just dropped
+        self._chain_pool = None  # a new pool for the next ones: this one goes once nothing lives in it
 
     def free_cache(self) -> None:
         """Give the KV cache's GPU memory back until the next `generate`: its pages where it lives at fixed addresses
@@ -546,7 +551,11 @@ class GraphDecoder:
         steps = state.responses.shape[1] - 1
         if steps == 0:
             return
-        self._decode_and_draw(mask, cache, state, *constants)
+        self._chain_stream = self._chain_stream or torch.cuda.Stream(mask.device)
+        self._chain_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._chain_stream):
+            self._decode_and_draw(mask, cache, state, *constants)
+        torch.cuda.current_stream().wait_stream(self._chain_stream)
         unchecked = 1
         for length in chain_lengths(steps - 1, self.steps_per_graph):
             if unchecked >= self.sync_every:
@@ -557,8 +566,11 @@ class GraphDecoder:
             if key not in self._chains:
                 self._chain_pool = self._chain_pool or torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                # recorded, not run; other threads of the process (a trainer's) may use the GPU meanwhile
-                with torch.cuda.graph(graph, pool=self._chain_pool, capture_error_mode="thread_local"):
+                # recorded, not run; other threads of the process (a trainer's) may use the GPU meanwhile. The step
+                # compiled at the first step: a guard that failed now would record a recompile, so it raises instead
+                with (torch.cuda.graph(graph, pool=self._chain_pool, stream=self._chain_stream,
+                                       capture_error_mode="thread_local"),
+                      torch.compiler.set_stance("fail_on_recompile")):
                     for _ in range(length):
                         self._decode_and_draw(mask, cache, state, *constants)
                 self._chains[key] = graph
