@@ -173,6 +173,18 @@ def test_decode_attention_belongs_to_the_graph_loop() -> None:
         from_dict({"rollout": graph | {"decode_attention": "flash"}})
 
 
+def test_steps_per_graph_belongs_to_the_graph_loop() -> None:
+    """`rollout.steps_per_graph` captures the hf graph loop's steps: at least 1, and above 1 only with that loop."""
+    graph = {"backend": "hf", "cuda_graph": True}
+    assert from_dict({"rollout": graph | {"steps_per_graph": 8}}).rollout.steps_per_graph == 8
+    assert from_dict({}).rollout.steps_per_graph == 1
+    with pytest.raises(ConfigError, match=r"rollout.steps_per_graph: 8 captures the hf backend's graph loop: set "
+                                          r"rollout.cuda_graph=true"):
+        from_dict({"rollout": {"backend": "vllm", "steps_per_graph": 8}})
+    with pytest.raises(ConfigError, match=r"rollout.steps_per_graph"):
+        from_dict({"rollout": graph | {"steps_per_graph": 0}})
+
+
 def test_set_on_a_key_a_case_name_stands_for_is_refused(tmp_path: Path) -> None:
     """`--set zero.stage=3` on six-case would run six stage-3 cases named zero1_…, zero2_…: refused, naming the
     axis and the --cases glob that picks the cases already at that value; the same key on the chosen cases only

@@ -127,6 +127,7 @@ def test_case_without_the_pass_records_it(tmp_path: Path):
     assert result["fused_head"] is True and result["compiled_layers"] == 0  # what took effect (CPU: eager layers)
     assert result["graph_decode_attention"] == "sdpa"  # auto, where Triton's kernels cannot run
     assert result["graph_decode_kernels"] is None  # the Triton attention's switches: none with SDPA
+    assert result["graph_steps_per_graph"] == 1  # one step at a time off CUDA
     # q/k/v and gate/up of both layers, each one matrix multiply; the replica still took the trained weights by name
     assert result["graph_merged_projections"] == 4
     assert result["graph_sampling"] == "eager"  # the eager loop of a CPU draws between steps

@@ -162,6 +162,10 @@ class RolloutConfig:
     # over: zbench.engine.device_memory; a device or model where that cannot be holds it, with a warning; run eagerly
     # the cache is freed and allocated again); false holds it through training
     release_kv_cache: bool = True
+    # cuda_graph with the in-graph draw, on CUDA: decode steps captured as one CUDA graph, so the host launches, and
+    # dynamo checks its guards, once every this many tokens (1: torch.compile records and replays each step). Off
+    # until measured on a GPU (benchmarks/graph_decode_profile.py --steps-per-graph); result.json records what ran
+    steps_per_graph: int = 1
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
@@ -177,6 +181,7 @@ class RolloutConfig:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         _positive("max_new_tokens", self.max_new_tokens)
         _positive("sync_bucket_mb", self.sync_bucket_mb)
+        _positive("steps_per_graph", self.steps_per_graph)
         if not 0 < self.gpu_memory_utilization < 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -188,6 +193,9 @@ class RolloutConfig:
         if self.static_cache and self.cuda_graph:
             raise ConfigError("static_cache", "and cuda_graph are two decode loops for the hf backend; choose one "
                                               "(cuda_graph is the faster)")
+        if self.steps_per_graph > 1 and not (self.cuda_graph and self.backend != "vllm"):
+            raise ConfigError("steps_per_graph", f"{self.steps_per_graph} captures the hf backend's graph loop: set "
+                                                 "rollout.cuda_graph=true (backend hf or auto), or leave it at 1")
         if self.backend == "vllm":
             for key in ("static_cache", "cuda_graph"):
                 if getattr(self, key):
@@ -914,6 +922,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"trainer.critic_update": "serial"},
     {"rollout.release_kv_cache": False},  # the graph loop held its KV cache through training
     {"model.activation_memory_budget": 1.0},  # compiled layers kept what the compiler chose
+    {"rollout.steps_per_graph": 1},  # the graph loop replayed one recorded step a token
 )
 
 

@@ -222,10 +222,6 @@ def plain_static_layers(config: Any) -> bool:
 # how the decode step is compiled: both record it as a CUDA graph; max-autotune also times Triton's matrix-multiply
 # templates against cuBLAS for each of the step's shapes (and tunes its other kernels) while it compiles
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
-# decode steps in one CUDA graph (`GraphDecoder.steps_per_graph`): 1 replays one recorded step a token (torch.compile's
-# CUDA graphs); n > 1 captures n steps of the compiled step as one graph, so the host launches, and dynamo checks its
-# guards, once every n tokens. Off until measured on a GPU (`benchmarks/graph_decode_profile.py --steps-per-graph`)
-STEPS_PER_GRAPH = 1
 
 
 class GraphDecoder:
@@ -255,12 +251,11 @@ class GraphDecoder:
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
                  merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False,
-                 compile_mode: str = "reduce-overhead", steps_per_graph: int | None = None):
+                 compile_mode: str = "reduce-overhead", steps_per_graph: int = 1):
         from zbench.engine.merged_projections import merge_projections
 
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
-        steps_per_graph = STEPS_PER_GRAPH if steps_per_graph is None else steps_per_graph
         if steps_per_graph < 1:
             raise ValueError(f"steps_per_graph {steps_per_graph}: the decode steps one CUDA graph holds, at least 1")
 
@@ -298,7 +293,8 @@ class GraphDecoder:
         self._decode_and_draw = self._step
         # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
         self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
-        # the in-graph draw's steps captured n at a time (`STEPS_PER_GRAPH`), on CUDA, where every step's position
+        # the in-graph draw's steps captured n at a time (`rollout.steps_per_graph`; 1: torch.compile records each),
+        # on CUDA, where every step's position
         # lives in device tensors: a sliding window's layer counts on the host, which a replay would not advance
         chains = self.sample_in_graph and device.type == "cuda" and plain_static_layers(model.config)
         self.steps_per_graph = steps_per_graph if chains else 1
@@ -587,7 +583,8 @@ class HFRollout:
     def __init__(self, model: nn.Module, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
                  cuda_graph: bool = False, parked: bool = False, decode_attention: str = "auto",
-                 prompt_width: int | None = None, samples: int = 1, release_kv_cache: bool = False):
+                 prompt_width: int | None = None, samples: int = 1, release_kv_cache: bool = False,
+                 steps_per_graph: int = 1):
         self.model = model.eval()
         self.samples = samples  # rows come as runs of this many samples of one prompt (GRPO's n)
         self.pad_id, self.eos_ids = pad_id, eos_ids
@@ -604,7 +601,7 @@ class HFRollout:
         self.decode_attention = (resolve_decode_attention(decode_attention, device, self.model.config, dtype)
                                  if cuda_graph else None)
         self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention,
-                                   release_cache=release_kv_cache)
+                                   release_cache=release_kv_cache, steps_per_graph=steps_per_graph)
                       if self.decode_attention else None)
         # the graph loop's projection groups merged into one matrix multiply each (None without the graph loop)
         self.merged_projections = self.graph.merged_projections if self.graph is not None else None

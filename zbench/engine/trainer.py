@@ -635,6 +635,7 @@ class Trainer:
                 **({"graph_decode_attention": self.info["decode_attention"],
                     "graph_merged_projections": self.info.get("merged_projections"),
                     "graph_decode_kernels": self.info.get("decode_kernels"),
+                    "graph_steps_per_graph": self.info.get("steps_per_graph"),
                     "graph_prompt_width": self.info.get("prompt_width"),
                     "graph_sampling": self.info.get("sampling"), "graph_kv_cache": self.info.get("kv_cache")}
                    if self.info.get("decode_attention") else {}),

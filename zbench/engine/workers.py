@@ -640,6 +640,7 @@ class PolicyWorker(_Worker):
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
                 "decode_kernels": getattr(self.rollout, "decode_kernels", None),  # the hf graph loop's Triton switches
+                "steps_per_graph": getattr(getattr(self.rollout, "graph", None), "steps_per_graph", None),  # as it ran
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
                 "kv_cache": getattr(self.rollout, "kv_cache", None),  # the graph loop's between rollouts
@@ -698,7 +699,8 @@ class PolicyWorker(_Worker):
                          temperature=r.temperature, top_p=r.top_p, static_cache=r.static_cache and self.on_cuda,
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
                          decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length,
-                         samples=r.n, release_kv_cache=r.release_kv_cache)
+                         samples=r.n, release_kv_cache=r.release_kv_cache,
+                         steps_per_graph=r.steps_per_graph)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:
