@@ -10,6 +10,9 @@
 #   bash results/reference/gpu.sh update NAME:KEY=VALUE,...  # the actor update alone, 1-GPU proxy (128 x 512
 #        tokens), one variant per argument, medians of 3, within $UPDATE_BUDGET_S (default 420) -> $OUT/update.jsonl
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
+#   bash results/reference/gpu.sh loop [VARIANT ARGS...]      # the graph loop alone at GRPO's 128 rows a GPU (one
+#        step's GSM8K prompts x 4 samples, 512 wide, 512 tokens; benchmarks/graph_decode_profile.py, 5 timed rollouts
+#        and one profiled) on GPU 0, e.g. `--steps-per-graph 1 8` -> $OUT/loop${LOOP_TAG}.jsonl
 #   bash results/reference/gpu.sh prep-once                 # prep (log in $OUT/prep.log) unless this machine has
 #        it already, then wait for the ops to compile: the first step of a session's every call
 # `prep` unpacks .dsops/dsops.tgz (a pack-ops output carried back) instead of compiling the ops again (~1 min).
@@ -117,6 +120,17 @@ update)
   timeout -s INT "${UPDATE_BUDGET_S:-420}" python3 benchmarks/actor_update.py --model qwen3-0.6b \
     --data /tmp/zbench-gsm8k/train.parquet --seqs 128 --n 4 --response-len 512 --repeats 3 "${variants[@]}" \
     2>&1 | tee "$out/update.log" | grep '^{' | tee "$out/update.jsonl" | cut -c1-400
+  ;;
+loop)
+  CUDA_VISIBLE_DEVICES=0 timeout "${LOOP_S:-420}" python3 benchmarks/graph_decode_profile.py --model qwen3-0.6b \
+    --batch 128 --n 4 --data /tmp/zbench-gsm8k/train.parquet --prompt-width 512 --attention triton --repeats 5 \
+    --top 40 --gaps "$@" > "$out/loop${LOOP_TAG:-}.jsonl" 2> "$out/loop${LOOP_TAG:-}.log"
+  python3 - "$out/loop${LOOP_TAG:-}.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    print({k: v for k, v in d.items() if not isinstance(v, (list, dict)) and k not in ("model", "device", "data")})
+PY
   ;;
 pack-ops)
   tar -czf "$out/dsops.tgz" -C ~/.cache torch_extensions && ls -la "$out/dsops.tgz"
