@@ -151,10 +151,7 @@ def main() -> None:
             if on_cuda:  # the peak from here on: an earlier width of this variant still holds its recording's pool
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
-            times, step_gaps = [], []
-            for i in range(args.repeats):
-                times.append(rollout(1 + i))
-                step_gaps.append(graph.gap_seconds)  # the GPU idle between decode steps (None: not measured)
+            times = [rollout(1 + i) for i in range(args.repeats)]
             row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
@@ -164,9 +161,7 @@ def main() -> None:
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
-                                    "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved,
-                                    "step_gaps_s": (statistics.median(step_gaps) if None not in step_gaps
-                                                    else None)}),
+                                    "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved}),
                   flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:

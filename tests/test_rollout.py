@@ -2,7 +2,6 @@
 
 import copy
 import itertools
-import time
 from typing import Any
 
 import pytest
@@ -93,12 +92,7 @@ def test_steps_split_into_runs_that_never_pass_the_last(tiny):
     assert chain_lengths(5, 1) == [1] * 5
     with pytest.raises(ValueError, match="steps_per_graph 0: the decode steps one CUDA graph holds, at least 1"):
         GraphDecoder(copy.deepcopy(tiny[0]), compile=False, steps_per_graph=0)
-    eager = GraphDecoder(tiny[0], compile=False, steps_per_graph=8)
-    assert eager.steps_per_graph == 1
-    _, pad_id, eos_ids, ids, mask = tiny
-    eager.generate(ids, mask, max_new_tokens=3, temperature=1.0, top_p=1.0, pad_id=pad_id, eos_ids=eos_ids,
-                   generator=torch.Generator().manual_seed(0))
-    assert eager.gap_seconds is None  # the GPU's idle between steps: measured only where steps replay on CUDA
+    assert GraphDecoder(tiny[0], compile=False, steps_per_graph=8).steps_per_graph == 1
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
@@ -432,25 +426,16 @@ def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cu
             out.append((tokens, [t.clone() for t in left]))
         return out
 
-    one_step = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention)
-    one = rollouts(one_step)
+    one = rollouts(GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention))
     chained = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, steps_per_graph=4,
                            sync_every=8)
     assert chained.steps_per_graph == 4
     got = rollouts(chained)
-    start = time.perf_counter()
-    one_step.generate(ids, mask, **kwargs | {"generator": torch.Generator("cuda").manual_seed(0)})
-    chained.generate(ids, mask, **kwargs | {"generator": torch.Generator("cuda").manual_seed(0)})
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
     assert {key[-1] for key in chained._chains} <= {4, 2} and 4 in {key[-1] for key in chained._chains}
     for (tokens, left), (expected, expected_left) in zip(got, one, strict=True):
         assert torch.equal(tokens, expected)
         assert all(torch.equal(a, b) for a, b in zip(left, expected_left, strict=True))
     assert not torch.equal(got[0][0], got[2][0])  # the seeds drew apart: the draws were not all the same token
-    # the GPU's idle between steps (or runs of them) was measured for the last rollout of each, a share of it
-    assert chained.gap_seconds is not None and one_step.gap_seconds is not None
-    assert 0 <= chained.gap_seconds < elapsed and 0 <= one_step.gap_seconds < elapsed
 
 
 class HostReleasableMemory:

@@ -219,35 +219,6 @@ def plain_static_layers(config: Any) -> bool:
     return bool(layers) and all(type(layer) is StaticLayer for layer in layers)
 
 
-class StepGaps:
-    """The GPU's idle time between a rollout's decode steps: an event recorded on the stream before and after each
-    step's launch (a recorded step replayed, or a captured run of steps), then the time from each launch's end event
-    to the next one's start event. The GPU reaches a start event as soon as it has finished the step before where the
-    host launched the next step in time, so what adds up is the time the GPU waited for the host: its launches, its
-    guard checks, its checks for all rows done. Events are kept from rollout to rollout."""
-
-    def __init__(self) -> None:
-        self._events: list[Any] = []
-        self._used = 0
-
-    def reset(self) -> None:
-        self._used = 0
-
-    def mark(self) -> None:
-        """Record the next event on the current stream (a step's start, then its end, alternately)."""
-        if self._used == len(self._events):
-            self._events.append(torch.cuda.Event(enable_timing=True))
-        self._events[self._used].record()
-        self._used += 1
-
-    def seconds(self) -> float:
-        """The idle time between the steps marked since `reset`, waiting for the last of them to finish."""
-        if self._used < 4:
-            return 0.0
-        self._events[self._used - 1].synchronize()
-        return sum(self._events[i].elapsed_time(self._events[i + 1]) for i in range(1, self._used - 2, 2)) / 1e3
-
-
 # how the decode step is compiled: both record it as a CUDA graph; max-autotune also times Triton's matrix-multiply
 # templates against cuBLAS for each of the step's shapes (and tunes its other kernels) while it compiles
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -332,9 +303,6 @@ class GraphDecoder:
         self._chains: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._chain_pool: Any = None
         self._chain_stream: Any = None
-        # the last compiled rollout's GPU idle between its decode steps (None: not measured, off CUDA or eager)
-        self.gap_seconds: float | None = None
-        self._gaps = StepGaps()
         if compile:
             import torch._inductor
 
@@ -513,7 +481,6 @@ class GraphDecoder:
         if self.attention != "triton":  # SDPA reads every row's cache anyway
             shared = (1, 0)
         self.shared_prefix = shared
-        self.gap_seconds = None
         if self.draws_in_graph(top_p):
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
                                            pad_id=pad_id, seed=self._seed(generator), shared=shared)
@@ -559,24 +526,16 @@ class GraphDecoder:
         state.token.copy_(first[:, None])
         state.position.copy_(positions[:, -1:] + 1)
         state.column.fill_(width)
-        timed = self.compile and mask.is_cuda
-        self._gaps.reset()
         if self.compile and self.steps_per_graph > 1:
             self._replay_chained(mask, cache, state, (temperature, pad_id, shared))
-        else:
-            for t in range(1, state.responses.shape[1]):
-                if t % self.sync_every == 0 and bool(state.done.all()):
-                    break
-                if self.compile:
-                    torch.compiler.cudagraph_mark_step_begin()
-                if timed:
-                    self._gaps.mark()
-                self._decode_and_draw(mask, cache, state, temperature, pad_id, shared)
-                if timed:
-                    self._gaps.mark()
-        responses = state.responses.clone()
-        self.gap_seconds = self._gaps.seconds() if timed else None
-        return responses
+            return state.responses.clone()
+        for t in range(1, state.responses.shape[1]):
+            if t % self.sync_every == 0 and bool(state.done.all()):
+                break
+            if self.compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            self._decode_and_draw(mask, cache, state, temperature, pad_id, shared)
+        return state.responses.clone()
 
     def _replay_chained(self, mask: torch.Tensor, cache: Any, state: LoopState,
                         constants: tuple[float, int, tuple[int, int]]) -> None:
@@ -611,9 +570,7 @@ class GraphDecoder:
                     for _ in range(length):
                         self._decode_and_draw(mask, cache, state, *constants)
                 self._chains[key] = graph
-            self._gaps.mark()
             self._chains[key].replay()
-            self._gaps.mark()
             unchecked += length
 
 
@@ -716,8 +673,6 @@ class HFRollout:
                     releasing.free_cache()
             raise
         self.seconds = {"engine": time.perf_counter() - start}
-        if self.graph is not None and self.graph.gap_seconds is not None:  # the GPU waiting for the host, inside
-            self.seconds["step_gaps"] = self.graph.gap_seconds
         if releasing is not None:
             if releasing.cache_at_fixed_addresses:  # inside the engine's time; 0 at the first rollout
                 self.seconds["wake"] = releasing.wake_seconds

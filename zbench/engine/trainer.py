@@ -6,8 +6,7 @@ where the update's own forward gives them exactly) -> reference log-probs (ref) 
 is timed as `timing_s/<phase>`; within gen, `perf/rollout_engine_s` is the slowest rank's time inside the rollout
 engine's own generate call and `perf/rollout_sleep_s` its sleep after it (vLLM's; the graph loop's freeing of its KV
 cache where `rollout.release_kv_cache`, whose mapping again before the next rollout is `perf/rollout_wake_s`, part
-of the engine's time; the compiled graph loop's GPU idle between its decode steps, waiting for the host, is
-`perf/rollout_step_gaps_s`, the largest of any rank), so the rest of `timing_s/gen` is
+of the engine's time), so the rest of `timing_s/gen` is
 the trainer's and Ray's; `perf/rollout_shared_rows` (the graph loop) how many rows read each prompt's keys once in
 its decode steps (1: every row its own). With `trainer.critic_update` concurrent, the critic's update runs beside the
 actor's update and weight push instead: `timing_s/update_critic` is then the critic's own time, and
@@ -293,9 +292,8 @@ class Trainer:
             prompts = rollout_shards({"input_ids": p_ids, "attention_mask": p_mask}, dp, tp)
             gen = rollout_outputs(self.policy.call_sharded("generate", prompts, step), tp)
         self._settle_held(block=False)  # the step before's critic update mostly finishes within the rollout
-        for part in ("engine", "sleep", "wake", "step_gaps"):  # the slowest rank's seconds inside the rollout engine,
-            # its sleep, and (the graph loop's, inside the engine's) the mapping of its KV cache again and its GPU's
-            # idle between decode steps
+        for part in ("engine", "sleep", "wake"):  # the slowest rank's seconds inside the rollout engine, its sleep
+            # and (the graph loop's, inside the engine's) the mapping of its KV cache again
             if f"rollout_{part}_s" in gen:
                 metrics[f"perf/rollout_{part}_s"] = float(gen.pop(f"rollout_{part}_s").max())
         if "rollout_shared_rows" in gen:  # the graph loop's runs of rows that read their prompt's keys once, least
