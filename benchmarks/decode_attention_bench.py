@@ -115,15 +115,18 @@ def main() -> None:
         for block, chunk, warps, stages, trim, share, dense, one_grid, pdl in itertools.product(
                 args.block, args.chunk_blocks, args.warps, args.stages, args.trim, args.share, args.dense,
                 args.one_grid, args.pdl):
-            # one range (every row its own prompt): nothing for ONE_GRID to join, so one run, labelled None
-            if batch % share or (share == 1 and one_grid != args.one_grid[0]):
+            if batch % share:
+                print(json.dumps(base | {"variant": "triton", "share": share,
+                                         "skipped": f"runs of {share} rows do not divide {batch} rows"}), flush=True)
+                continue
+            if share == 1 and one_grid != args.one_grid[0]:  # one range: nothing for ONE_GRID to join, one run
                 continue
             da.BLOCK_N, da.CHUNK_BLOCKS, da.NUM_WARPS, da.STAGES, da.TRIM = block, chunk, warps, stages, trim == "on"
             da.DENSE, da.ONE_GRID, da.PDL = dense == "on", one_grid == "on", pdl == "on"
             variant = base | {"variant": "triton", "block": block, "chunk_blocks": chunk, "warps": warps,
                               "stages": stages, "trim": trim, "share": share, "dense": dense,
                               "one_grid": one_grid if share > 1 else None,
-                              "pdl": pdl,
+                              "pdl": pdl, "pdl_in_effect": da.pdl_applies(q.device),
                               "splits": sum(cut[3] for cut in da.plan(length, da.triton.next_power_of_2(group), share,
                                                                        args.width if share > 1 else 0))}
             cache, reference = runs_of(share)

@@ -84,6 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     if "on" in args.pdl and not inductor_has_pdl():
         parser.error(f"--pdl on: torch {torch.__version__}'s Inductor has no `triton.enable_pdl`")
+    if min(args.steps_per_graph) < 1:
+        parser.error(f"--steps-per-graph: decode steps a CUDA graph, at least 1, got {args.steps_per_graph}")
     if args.data and any(b % args.n for b in args.batch):
         parser.error(f"--data: every --batch must be a multiple of --n {args.n} (prompts x samples), got {args.batch}")
 
@@ -156,8 +158,9 @@ def main() -> None:
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
                           "dense": dense if attention == "triton" else None,
-                          "one_grid": one_grid if joined else None, "pdl": pdl, "pdl_in_effect": graph.pdl,
-                          "steps_per_graph": graph.steps_per_graph,
+                          # as they ran: ONE_GRID where the prefill shared the prompts, PDL where it applies
+                          "one_grid": one_grid if graph.shared_prefix[0] > 1 else None, "pdl": pdl,
+                          "decode_kernels": graph.decode_kernels, "steps_per_graph": graph.steps_a_graph(args.top_p),
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),

@@ -180,9 +180,18 @@ def test_steps_per_graph_belongs_to_the_graph_loop() -> None:
     assert from_dict({}).rollout.steps_per_graph == 1
     with pytest.raises(ConfigError, match=r"rollout.steps_per_graph: 8 captures the hf backend's graph loop: set "
                                           r"rollout.cuda_graph=true"):
+        from_dict({"rollout": {"backend": "hf", "steps_per_graph": 8}})
+    with pytest.raises(ConfigError, match=r"rollout.steps_per_graph: 8 captures the hf backend's graph loop, which "
+                                          r"vllm does not run: set rollout.backend=hf"):
         from_dict({"rollout": {"backend": "vllm", "steps_per_graph": 8}})
+    with pytest.raises(ConfigError, match=r"needs top_p 1 \(rollout.top_p is 0.9\)"):
+        from_dict({"rollout": graph | {"steps_per_graph": 8, "top_p": 0.9}})
     with pytest.raises(ConfigError, match=r"rollout.steps_per_graph"):
         from_dict({"rollout": graph | {"steps_per_graph": 0}})
+    # on a GPU, naming it asks for the graph loop, as naming its attention does
+    cuda = expand(load_matrix("grpo-six-case"), sets=[("rollout.steps_per_graph", 8)], case_globs=["zero2_*"],
+                  device_defaults=True, on_cuda=True)
+    assert cuda and all(c.config.rollout.cuda_graph and c.config.rollout.steps_per_graph == 8 for c in cuda)
 
 
 def test_set_on_a_key_a_case_name_stands_for_is_refused(tmp_path: Path) -> None:

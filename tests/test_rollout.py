@@ -78,21 +78,24 @@ def test_the_loop_reports_the_triton_attentions_switches_as_it_runs_them(tiny, m
 
     assert GraphDecoder(copy.deepcopy(tiny[0]), compile=False, attention="sdpa").decode_kernels is None
     triton = GraphDecoder(tiny[0], compile=False, attention="triton")
-    assert triton.decode_kernels == {"dense": True, "one_grid": True, "pdl": False}
+    assert triton.decode_kernels == {"dense": True, "one_grid": True, "pdl": False, "inductor_pdl": False}
     monkeypatch.setattr(decode_attention, "ONE_GRID", False)
-    assert triton.decode_kernels == {"dense": True, "one_grid": False, "pdl": False}
+    assert triton.decode_kernels == {"dense": True, "one_grid": False, "pdl": False, "inductor_pdl": False}
     assert not decode_attention.pdl_applies(torch.device("cpu"))
 
 
 def test_steps_split_into_runs_that_never_pass_the_last(tiny):
-    """`chain_lengths`: full runs of `steps_per_graph` decode steps, then the rest; and a decoder off CUDA (or one
-    drawing between steps) replays one step at a time whatever it was asked."""
+    """`chain_lengths`: full runs of `steps_per_graph` decode steps, then the rest; a decoder off CUDA replays one
+    step at a time whatever it was asked, and so does one drawing between steps (top_p below 1)."""
     assert chain_lengths(510, 8) == [8] * 63 + [6]
     assert chain_lengths(16, 8) == [8, 8] and chain_lengths(3, 8) == [3] and chain_lengths(0, 8) == []
     assert chain_lengths(5, 1) == [1] * 5
     with pytest.raises(ValueError, match="steps_per_graph 0: the decode steps one CUDA graph holds, at least 1"):
         GraphDecoder(copy.deepcopy(tiny[0]), compile=False, steps_per_graph=0)
-    assert GraphDecoder(tiny[0], compile=False, steps_per_graph=8).steps_per_graph == 1
+    eager = GraphDecoder(tiny[0], compile=False, steps_per_graph=8)
+    assert eager.steps_per_graph == 1 and eager.steps_a_graph(1.0) == 1
+    eager.steps_per_graph = 8  # as on CUDA: still one step a replay where the draw runs between steps
+    assert eager.steps_a_graph(0.9) == 1
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):

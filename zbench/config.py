@@ -162,9 +162,10 @@ class RolloutConfig:
     # over: zbench.engine.device_memory; a device or model where that cannot be holds it, with a warning; run eagerly
     # the cache is freed and allocated again); false holds it through training
     release_kv_cache: bool = True
-    # cuda_graph with the in-graph draw, on CUDA: decode steps captured as one CUDA graph, so the host launches, and
-    # dynamo checks its guards, once every this many tokens (1: torch.compile records and replays each step). Off
-    # until measured on a GPU (benchmarks/graph_decode_profile.py --steps-per-graph); result.json records what ran
+    # cuda_graph with the in-graph draw (top_p 1), on CUDA: decode steps captured as one CUDA graph, so the host
+    # launches, and dynamo checks its guards, once every this many tokens (1: torch.compile records and replays each
+    # step); the check for all rows done falls between graphs only. Off until measured on a GPU
+    # (benchmarks/graph_decode_profile.py --steps-per-graph); result.json records what ran
     steps_per_graph: int = 1
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
@@ -193,9 +194,18 @@ class RolloutConfig:
         if self.static_cache and self.cuda_graph:
             raise ConfigError("static_cache", "and cuda_graph are two decode loops for the hf backend; choose one "
                                               "(cuda_graph is the faster)")
-        if self.steps_per_graph > 1 and not (self.cuda_graph and self.backend != "vllm"):
-            raise ConfigError("steps_per_graph", f"{self.steps_per_graph} captures the hf backend's graph loop: set "
-                                                 "rollout.cuda_graph=true (backend hf or auto), or leave it at 1")
+        if self.steps_per_graph > 1:
+            if self.backend == "vllm":
+                raise ConfigError("steps_per_graph", f"{self.steps_per_graph} captures the hf backend's graph loop, "
+                                                     "which vllm does not run: set rollout.backend=hf (or auto), or "
+                                                     "leave it at 1")
+            if not self.cuda_graph:
+                raise ConfigError("steps_per_graph", f"{self.steps_per_graph} captures the hf backend's graph loop: "
+                                                     "set rollout.cuda_graph=true, or leave it at 1")
+            if self.top_p < 1:
+                raise ConfigError("steps_per_graph", f"{self.steps_per_graph} captures steps that draw their own "
+                                                     f"tokens, which needs top_p 1 (rollout.top_p is {self.top_p}); "
+                                                     "leave it at 1")
         if self.backend == "vllm":
             for key in ("static_cache", "cuda_graph"):
                 if getattr(self, key):
@@ -615,10 +625,11 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
     backend = cfg.rollout.backend
     if backend != "vllm" and not named("rollout.cuda_graph") and not named("rollout.static_cache"):
-        # the loop where it has run fast; with hf, a named decode_attention asks for the loop whatever else holds
+        # the loop where it has run fast; with hf, a named decode_attention or steps_per_graph asks for the loop
+        # whatever else holds
         taken = (auto_takes_graph_loop(with_overrides(cfg, {"rollout.cuda_graph": True})) if backend == "auto"
                  else graph_loop_measured(cfg))
-        if taken or (backend == "hf" and named("rollout.decode_attention")):
+        if taken or (backend == "hf" and (named("rollout.decode_attention") or named("rollout.steps_per_graph"))):
             out["rollout.cuda_graph"] = True
     sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
     if rollout_engine(sampling, True) == "vllm" and not named("rollout.gpu_memory_utilization"):

@@ -291,6 +291,7 @@ class GraphDecoder:
         self.shared_prefix: tuple[int, int] = (1, 0)
         self._decode = self._forward
         self._decode_and_draw = self._step
+        self.device = device
         # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
         self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
         # the in-graph draw's steps captured n at a time (`rollout.steps_per_graph`; 1: torch.compile records each),
@@ -322,12 +323,19 @@ class GraphDecoder:
     @property
     def decode_kernels(self) -> dict[str, bool] | None:
         """With the Triton attention, its switches as this loop runs them (`zbench.engine.decode_attention`: `DENSE`,
-        `ONE_GRID`, and `pdl`: `PDL` in effect for its kernels and Inductor's on this device); None with SDPA."""
+        `ONE_GRID`; `pdl`: `PDL` in effect for its kernels on this device; `inductor_pdl`: Inductor's kernels of the
+        recorded step compiled for it too, which the chain needs); None with SDPA."""
         if self.attention != "triton":
             return None
         from zbench.engine import decode_attention
 
-        return {"dense": decode_attention.DENSE, "one_grid": decode_attention.ONE_GRID, "pdl": self.pdl}
+        return {"dense": decode_attention.DENSE, "one_grid": decode_attention.ONE_GRID,
+                "pdl": decode_attention.pdl_applies(self.device), "inductor_pdl": self.pdl}
+
+    def steps_a_graph(self, top_p: float) -> int:
+        """The decode steps one replay runs in `generate` at this top_p: `steps_per_graph` where the steps draw in
+        the graph, else 1."""
+        return self.steps_per_graph if self.draws_in_graph(top_p) else 1
 
     def draws_in_graph(self, top_p: float) -> bool:
         """Whether `generate` at this top_p draws inside the recorded step (`_step`) rather than between steps."""
@@ -558,7 +566,7 @@ class GraphDecoder:
                 if bool(state.done.all()):
                     return
                 unchecked = 0
-            key = (self._cache_slot[0] if self._cache_slot else None, *constants, length)
+            key = (self._cache_slot[0], *constants, length)  # the slot `generate` took
             if key not in self._chains:
                 self._chain_pool = self._chain_pool or torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
@@ -635,6 +643,12 @@ class HFRollout:
         """The Triton decode attention's switches as the graph loop runs them, for the case's result.json
         (`GraphDecoder.decode_kernels`); None without the graph loop or with SDPA."""
         return self.graph.decode_kernels if self.graph is not None else None
+
+    @property
+    def steps_per_graph(self) -> int | None:
+        """The graph loop's decode steps a replay, as it runs them at this rollout's top_p, for the case's result.json
+        (`GraphDecoder.steps_a_graph`); None without the graph loop."""
+        return self.graph.steps_a_graph(self.top_p) if self.graph is not None else None
 
     @property
     def kv_cache(self) -> str | None:

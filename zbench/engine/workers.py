@@ -640,7 +640,7 @@ class PolicyWorker(_Worker):
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
                 "decode_kernels": getattr(self.rollout, "decode_kernels", None),  # the hf graph loop's Triton switches
-                "steps_per_graph": getattr(getattr(self.rollout, "graph", None), "steps_per_graph", None),  # as it ran
+                "steps_per_graph": getattr(self.rollout, "steps_per_graph", None),  # the graph loop's, as it runs
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
                 "kv_cache": getattr(self.rollout, "kv_cache", None),  # the graph loop's between rollouts

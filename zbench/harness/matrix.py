@@ -183,7 +183,8 @@ def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> 
     None, as its `trainer.device` resolves here), else nothing. The case is first read with micro-batch 1 wherever
     nothing names one: the CPU's default size need not divide a GPU batch; and without MPS's SM share, which needs
     the critic's update beside other work, as the defaults may make it (`trainer.critic_update` overlap); and with
-    the graph loop on where its attention is named, as the defaults make it (`rollout.cuda_graph`)."""
+    the graph loop on where its attention or its steps a graph are named, as the defaults make it
+    (`rollout.cuda_graph`)."""
     probe = copy.deepcopy(data)
     for key in ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"):
         if not has_dotted(probe, key):
@@ -191,9 +192,9 @@ def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> 
     if has_dotted(probe, "trainer.critic_sm_percent"):
         set_dotted(probe, "trainer.critic_sm_percent", 0)
     rollout = probe.get("rollout") if isinstance(probe.get("rollout"), dict) else {}
-    if ("decode_attention" in rollout and "cuda_graph" not in rollout and rollout.get("backend") != "vllm"
-            and not rollout.get("static_cache")):
-        set_dotted(probe, "rollout.cuda_graph", True)  # the loop's attention named: the GPU defaults turn the loop on
+    if (("decode_attention" in rollout or "steps_per_graph" in rollout) and "cuda_graph" not in rollout
+            and rollout.get("backend") != "vllm" and not rollout.get("static_cache")):
+        set_dotted(probe, "rollout.cuda_graph", True)  # the loop's own key named: the GPU defaults turn the loop on
     cfg = from_dict(probe, where)
     cuda = cfg.trainer.uses_cuda() if on_cuda is None else on_cuda
     return cuda_defaults(cfg, lambda key: has_dotted(data, key)) if cuda else {}
