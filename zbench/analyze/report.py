@@ -20,7 +20,7 @@ from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
 from zbench.env import REACH_CLUSTER, VERSIONED_PACKAGES
-from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text
+from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text, read_result
 from zbench.runroot.memory_figures import ALLOCATED, DEVICE, GEN, HOST, RESERVED, TRAIN, MemoryFigure, leading
 from zbench.runroot.read import (
     RunRoot,
@@ -254,6 +254,47 @@ def memory_table(run: RunRoot) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# what a case's rollout ran, from its result.json: (key, column, the engines it describes; empty: every engine)
+GRAPH_LOOP = ("hf-graph", "hf-loop")
+ROLLOUT_FIELDS = (
+    ("rollout_engine", "engine", ()),
+    ("vllm_model_runner", "vLLM model runner", ("vllm",)),
+    ("graph_decode_attention", "decode attention", GRAPH_LOOP),
+    ("graph_decode_kernels", "attention kernels", GRAPH_LOOP),
+    ("graph_steps_per_graph", "decode steps a replay", GRAPH_LOOP),
+    ("graph_sampling", "draw", GRAPH_LOOP),
+    ("graph_kv_cache", "KV cache between rollouts", GRAPH_LOOP),
+)
+
+
+def rollout_table(run: RunRoot) -> pd.DataFrame:
+    """How each case's rollout ran, as its result.json recorded it: the engine, and for the graph loop its attention,
+    the attention kernels' switches, its decode steps a replay, where it draws and what its KV cache does between
+    rollouts. "not recorded" where the case's zbench did not record a field; "–" where it does not apply to the
+    engine that ran; columns that apply to no case are left out."""
+    rows = []
+    for c in run.cases:
+        result = read_result(c.dir)
+        if result is None:
+            rows.append({"case": c.name, "engine": "no result.json (the case did not finish)"})
+            continue
+        engine = result.get("rollout_engine")
+        row = {"case": c.name}
+        for key, column, engines in ROLLOUT_FIELDS:
+            if engines and engine is not None and engine not in engines:  # unknown engine: nothing ruled out
+                row[column] = "–"
+            elif key not in result or result[key] is None:
+                row[column] = "not recorded"
+            elif isinstance(result[key], dict):  # switches: each named on or off
+                row[column] = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in result[key].items())
+            else:
+                row[column] = result[key]
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    applies = [col for col in table.columns if col == "case" or (table[col].dropna() != "–").any()]
+    return table[applies].fillna("–") if len(applies) > 1 else pd.DataFrame()
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -320,6 +361,7 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
     phase_png = phase_figure(phases, first_steady_step(rspec)) if not phases.empty else b""
     phase_rows = phase_table(run, rspec)
     mem = memory_table(run)
+    rollouts = rollout_table(run)
     env = environment_lines(run.manifest)
     floor_warnings: list[str] = []
     floors_path = floors or run.path / "floors.jsonl"
@@ -338,7 +380,8 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
           *(["## Phase times", "", "![phases](phase_times.png)", "", _md_table(phase_rows)] if phase_png else []),
           f"## {speed_title}", "", _md_table(speeds),
           *([speed_note, ""] if speed_note else []),
-          "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem)]
+          "## Memory per rank: predicted (ZeRO model states) vs measured", "", _md_table(mem),
+          *(["## Rollout as it ran (result.json)", "", _md_table(rollouts)] if not rollouts.empty else [])]
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "curves.png"]
     tuning = tuning_frontier(run.path, run.manifest)  # a tune's run root, or a run of its tuned.yaml
@@ -366,6 +409,7 @@ def write_report(root: Path, spec: str | Path = "report", floors: Path | None = 
             + f"<h2>{html.escape(speed_title)}</h2>{_html_table(speeds)}"
             + (f"<p>{html.escape(speed_note)}</p>" if speed_note else "")
             + "<h2>Memory per rank: predicted (ZeRO model states) vs measured</h2>" + _html_table(mem)
+            + (f"<h2>Rollout as it ran (result.json)</h2>{_html_table(rollouts)}" if not rollouts.empty else "")
             + (f"<h2>Tuning: what memory buys</h2><p>{html.escape(tuning.note)}</p>{img(tuning.png, 'frontier')}"
                f"{_html_table(tuning.table)}" if tuning is not None else "")
             + "</body></html>")
