@@ -295,9 +295,10 @@ class GraphDecoder:
         # Inductor's kernels of the step launched early and waiting, as the attention's are (`decode_attention.PDL`)
         self.pdl = compile and attention == "triton" and pdl_applies(device) and inductor_has_pdl()
         # the in-graph draw's steps captured n at a time (`rollout.steps_per_graph`; 1: torch.compile records each),
-        # on CUDA, where every step's position
-        # lives in device tensors: a sliding window's layer counts on the host, which a replay would not advance
-        chains = self.sample_in_graph and device.type == "cuda" and plain_static_layers(model.config)
+        # on CUDA, where every step's position lives in device tensors: a sliding window's layer counts on the host,
+        # which a replay would not advance
+        chains = (steps_per_graph > 1 and self.sample_in_graph and device.type == "cuda"
+                  and plain_static_layers(model.config))
         self.steps_per_graph = steps_per_graph if chains else 1
         # the captured runs of steps, by (what the cache slot is for, the step's constants, steps), their memory, and
         # the stream that runs a rollout's first step and captures: its cuBLAS workspace then lives outside the pool
