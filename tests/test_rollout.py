@@ -17,6 +17,7 @@ from zbench.engine.rollout import (
     GraphDecoder,
     HFRollout,
     chain_lengths,
+    chained_segments,
     gqa_decode_attention,
     inductor_has_pdl,
     one_prompt_width,
@@ -96,6 +97,33 @@ def test_steps_split_into_runs_that_never_pass_the_last(tiny):
     assert eager.steps_per_graph == 1 and eager.steps_a_graph(1.0) == 1
     eager.steps_per_graph = 8  # as on CUDA: still one step a replay where the draw runs between steps
     assert eager.steps_a_graph(0.9) == 1
+
+
+@pytest.mark.parametrize(("tokens", "sync_every", "per_graph"),
+                         [(24, 8, 4), (512, 64, 8), (512, 64, 5), (23, 6, 4), (10, 1, 4), (5, 64, 4), (2, 8, 4)])
+def test_chained_steps_stop_after_the_steps_one_step_a_replay_runs(tokens, sync_every, per_graph):
+    """`chained_segments`: whichever token the last row ends at, the steps of `_replay_chained` (step 1 alone, then
+    a segment's runs, each checked for all rows done before it where its first step is a multiple of `sync_every`)
+    are the steps `_generate_in_graph` runs one a replay, checking before step t where t is a multiple of
+    `sync_every`; no run is longer than `per_graph` or runs past a check."""
+    segments = chained_segments(tokens, sync_every, per_graph)
+    for start, lengths in segments:
+        assert lengths and all(1 <= n <= per_graph for n in lengths)
+        assert not any(t % sync_every == 0 for t in range(start + 1, start + sum(lengths)))
+    for last_row_ends in range(tokens + 1):  # all rows done once this token is drawn
+        one = []
+        for t in range(1, tokens):
+            if t % sync_every == 0 and t > last_row_ends:
+                break
+            one.append(t)
+        chained = []
+        if tokens >= 2 and not (sync_every == 1 and last_row_ends < 1):
+            chained.append(1)
+            for start, lengths in segments:
+                if start % sync_every == 0 and start > last_row_ends:
+                    break
+                chained.extend(range(start, start + sum(lengths)))
+        assert chained == one, last_row_ends
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
@@ -409,11 +437,12 @@ def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the recorded decode step and Triton's kernels need CUDA")
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cuda(tiny, attention):
-    """`steps_per_graph` 4 with checks for all rows done every 8 steps: GRPO's rows, sampled at temperature 1, draw
-    the tokens the recorded step draws one step a replay, and leave the same cache, mask and loop state behind. Of 23
-    steps the first runs the compiled step as it is, then 5 runs of 4 and one of 2 replay captured graphs. Rollouts
-    at one prompt width, a wider one (a new cache: the graphs and their pool go), then the first width again (captured
-    anew), each from its own seed."""
+    """`steps_per_graph` 4 with checks for all rows done every 8 tokens: GRPO's rows, sampled at temperature 1, draw
+    the tokens the recorded step draws one step a replay, and leave the same cache, mask and loop state behind (the
+    tiny model's rows end by token 11-17, so where the check at token 16 finds them all done both stop there). Of up
+    to 23 steps the first runs the compiled step as it is, then runs of 4 and 2 (tokens 2-7), of 4 (8-15, 16-23)
+    replay captured graphs. Rollouts at one prompt width, a wider one (a new cache: the graphs and their pool go),
+    then the first width again (captured anew), each from its own seed."""
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     kwargs = kwargs | {"temperature": 1.0}
     wide = (torch.nn.functional.pad(ids, (8, 0), value=kwargs["pad_id"]), torch.nn.functional.pad(mask, (8, 0)))
@@ -429,7 +458,7 @@ def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cu
             out.append((tokens, [t.clone() for t in left]))
         return out
 
-    one = rollouts(GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention))
+    one = rollouts(GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, sync_every=8))
     chained = GraphDecoder(copy.deepcopy(model).cuda(), compile=True, attention=attention, steps_per_graph=4,
                            sync_every=8)
     assert chained.steps_per_graph == 4

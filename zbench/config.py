@@ -164,8 +164,9 @@ class RolloutConfig:
     release_kv_cache: bool = True
     # cuda_graph with the in-graph draw (top_p 1), on CUDA: decode steps captured as one CUDA graph, so the host
     # launches, and dynamo checks its guards, once every this many tokens (1: torch.compile records and replays each
-    # step); the check for all rows done falls between graphs only. Off until measured on a GPU
-    # (benchmarks/graph_decode_profile.py --steps-per-graph); result.json records what ran
+    # step); graphs end where one step a replay checks for all rows done, so both stop after the same steps. 4 took
+    # 4-5 % off runs' rollouts on 2 x H200 (results/reference/h200x2-chained-20261128); 1 until measured again with
+    # its GPU test passing; result.json records what ran
     steps_per_graph: int = 1
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take

@@ -202,6 +202,20 @@ def chain_lengths(steps: int, per_graph: int) -> list[int]:
     return [per_graph] * full + ([rest] if rest else [])
 
 
+def chained_segments(tokens: int, sync_every: int, per_graph: int) -> list[tuple[int, list[int]]]:
+    """The in-graph loop's decode steps 2 .. `tokens` - 1 (step t draws token t; step 1 runs alone) as segments
+    (first step, runs of `per_graph` captured as one CUDA graph each), each ending at the next multiple of
+    `sync_every` or at the last step. The host checks for all rows done before a segment whose first step is a
+    multiple of `sync_every`: the tokens where one step a replay checks, so both stop after the same steps and leave
+    the same cache and loop state behind."""
+    segments, t = [], 2
+    while t < tokens:
+        end = min(tokens, (t // sync_every + 1) * sync_every)
+        segments.append((t, chain_lengths(end - t, per_graph)))
+        t = end
+    return segments
+
+
 def inductor_has_pdl() -> bool:
     """Whether this torch's Inductor can compile its Triton kernels for programmatic dependent launch."""
     import torch._inductor.config as inductor
@@ -549,38 +563,35 @@ class GraphDecoder:
     def _replay_chained(self, mask: torch.Tensor, cache: Any, state: LoopState,
                         constants: tuple[float, int, tuple[int, int]]) -> None:
         """`_generate_in_graph`'s steps with `steps_per_graph` of them in one CUDA graph: the first step runs the
-        compiled step as it is (compiling it the first time), then each run of steps (`chain_lengths`) replays a
+        compiled step as it is (compiling it the first time), then each run of steps (`chained_segments`) replays a
         graph captured from the compiled step for that many steps, over the same cache, mask and loop state, so it
-        draws the same tokens as one step a replay. The host checks for all rows done before a run once
-        `sync_every` steps have passed since it last did."""
-        steps = state.responses.shape[1] - 1
-        if steps == 0:
+        draws the same tokens as one step a replay. The host checks for all rows done at the tokens where one step a
+        replay does."""
+        tokens = state.responses.shape[1]
+        if tokens < 2 or (self.sync_every == 1 and bool(state.done.all())):
             return
         self._chain_stream = self._chain_stream or torch.cuda.Stream(mask.device)
         self._chain_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._chain_stream):
             self._decode_and_draw(mask, cache, state, *constants)
         torch.cuda.current_stream().wait_stream(self._chain_stream)
-        unchecked = 1
-        for length in chain_lengths(steps - 1, self.steps_per_graph):
-            if unchecked >= self.sync_every:
-                if bool(state.done.all()):
-                    return
-                unchecked = 0
-            key = (self._cache_slot[0], *constants, length)  # the slot `generate` took
-            if key not in self._chains:
-                self._chain_pool = self._chain_pool or torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                # recorded, not run; other threads of the process (a trainer's) may use the GPU meanwhile. The step
-                # compiled at the first step: a guard that failed now would record a recompile, so it raises instead
-                with (torch.cuda.graph(graph, pool=self._chain_pool, stream=self._chain_stream,
-                                       capture_error_mode="thread_local"),
-                      torch.compiler.set_stance("fail_on_recompile")):
-                    for _ in range(length):
-                        self._decode_and_draw(mask, cache, state, *constants)
-                self._chains[key] = graph
-            self._chains[key].replay()
-            unchecked += length
+        for start, lengths in chained_segments(tokens, self.sync_every, self.steps_per_graph):
+            if start % self.sync_every == 0 and bool(state.done.all()):
+                return
+            for length in lengths:
+                key = (self._cache_slot[0], *constants, length)  # the slot `generate` took
+                if key not in self._chains:
+                    self._chain_pool = self._chain_pool or torch.cuda.graph_pool_handle()
+                    graph = torch.cuda.CUDAGraph()
+                    # recorded, not run; other threads of the process (a trainer's) may use the GPU meanwhile. The
+                    # step compiled at the first step: a guard that failed now would record a recompile, so it raises
+                    with (torch.cuda.graph(graph, pool=self._chain_pool, stream=self._chain_stream,
+                                           capture_error_mode="thread_local"),
+                          torch.compiler.set_stance("fail_on_recompile")):
+                        for _ in range(length):
+                            self._decode_and_draw(mask, cache, state, *constants)
+                    self._chains[key] = graph
+                self._chains[key].replay()
 
 
 class HFRollout:
