@@ -440,10 +440,10 @@ def test_recorded_step_with_one_grid_decodes_the_same_tokens_on_cuda(tiny, monke
 def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cuda(tiny, attention):
     """`steps_per_graph` 4 with checks for all rows done every 8 tokens: GRPO's rows, sampled at temperature 1, draw
     the tokens the recorded step draws one step a replay, and leave the same cache, mask and loop state behind (the
-    tiny model's rows end by token 11-17, so where the check at token 16 finds them all done both stop there). Of up
-    to 23 steps the first runs the compiled step as it is, then runs of 4 and 2 (tokens 2-7), of 4 (8-15, 16-23)
-    replay captured graphs. Rollouts at one prompt width, a wider one (a new cache: the graphs and their pool go),
-    then the first width again (captured anew), each from its own seed."""
+    tiny model ends its rows early, by token 11-17 in a CPU check, so where the check at token 16 finds them all
+    done both stop there). Of up to 23 steps the first runs the compiled step as it is, then runs of 4 and 2
+    (tokens 2-7), of 4 (8-15, 16-23) replay captured graphs. Rollouts at one prompt width, a wider one (a new
+    cache: the graphs and their pool go), then the first width again (captured anew), each from its own seed."""
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     kwargs = kwargs | {"temperature": 1.0}
     wide = (torch.nn.functional.pad(ids, (8, 0), value=kwargs["pad_id"]), torch.nn.functional.pad(mask, (8, 0)))

@@ -163,10 +163,10 @@ class RolloutConfig:
     # the cache is freed and allocated again); false holds it through training
     release_kv_cache: bool = True
     # cuda_graph with the in-graph draw (top_p 1), on CUDA: decode steps captured as one CUDA graph, so the host
-    # launches, and dynamo checks its guards, once every this many tokens (1: torch.compile records and replays each
-    # step); graphs end where one step a replay checks for all rows done, so both stop after the same steps. 4 took
-    # 4-5 % off runs' rollouts on 2 x H200 (results/reference/h200x2-chained-20261128); 1 until measured again with
-    # its GPU test passing; result.json records what ran
+    # launches a graph once every this many tokens and dynamo checks its guards at a rollout's first step only (1:
+    # torch.compile records and replays each step); graphs end where one step a replay checks for all rows done, so
+    # both stop after the same steps. 4 took 4-5 % off runs' rollout phases on 2 x H200, in one run each
+    # (results/reference/h200x2-chained-20261128); 1 until its GPU test passes; result.json records what ran
     steps_per_graph: int = 1
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
