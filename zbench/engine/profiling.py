@@ -5,8 +5,9 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
 (`zbench/<phase>`, e.g. `zbench/update_critic`). After the step each worker writes, under `<case>/profile/`:
 
 - `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of the kernels and copies
-  running inside the phase's window; how many ran there), then the device ops with the most device time and the
-  CPU operators with the most self time;
+  running inside the phase's window; how many ran there), each followed by its parts where the code labels them
+  (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the phase lies outside
+  them, then the device ops with the most device time and the CPU operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -56,6 +57,8 @@ class PhaseProfile:
     wall_ms: float
     gpu_busy_ms: float
     device_ops: int  # kernels, copies and sets running on the device during the phase's window (queued earlier too)
+    start_ns: int = 0  # the window on the profiler's clock, which places a part (`gen/decode`) inside its phase
+    end_ns: int = 0
 
     @property
     def busy_share(self) -> float:
@@ -140,8 +143,48 @@ def phase_profiles(events: list[Any]) -> list[PhaseProfile]:
             start, end = e.start_ns(), e.end_ns()
             n_ops = sum(1 for s, f in device if s < end and f > start)
             out.append(PhaseProfile(e.name()[len(PHASE_PREFIX):], (end - start) / 1e6,
-                                    busy_within(device, start, end) / 1e6, n_ops))
+                                    busy_within(device, start, end) / 1e6, n_ops, start, end))
     return sorted(out, key=lambda p: p.wall_ms, reverse=True)
+
+
+@contextlib.contextmanager
+def part(name: str) -> Iterator[None]:
+    """Label what runs inside as `name`, a part of the phase it runs in (`gen/prefill` of `gen`), for a step profile
+    by torch.profiler: its text report lists the part under the phase, with what of the phase lies outside its
+    parts. Without a profiler running, the label costs a few microseconds."""
+    from torch.profiler import record_function
+
+    with record_function(PHASE_PREFIX + name):
+        yield
+
+
+def phase_rows(phases: list[PhaseProfile]) -> list[tuple[str, PhaseProfile]]:
+    """The report's rows: each phase, longest first, then its parts (`<phase>/<part>` inside its window) in the order
+    they ran, indented, each with its own parts, and the phase's time outside them: wall and GPU busy time less the
+    parts' (windows one after another on one thread, so their times add up; a kernel queued in one part that runs in
+    the next counts in the next). A part whose phase was not profiled stands as a phase."""
+    def inside(q: PhaseProfile, p: PhaseProfile) -> bool:  # q a part of p
+        rest = q.phase[len(p.phase) + 1:]
+        return (q.phase.startswith(p.phase + "/") and "/" not in rest and p.start_ns <= q.start_ns
+                and q.end_ns <= p.end_ns)
+
+    rows: list[tuple[str, PhaseProfile]] = []
+
+    def add(p: PhaseProfile, indent: str) -> None:
+        rows.append((indent + p.phase, p))
+        parts = sorted((q for q in phases if inside(q, p)), key=lambda q: q.start_ns)
+        for q in parts:
+            add(q, indent + "  ")
+        if parts:
+            rest = PhaseProfile(f"{p.phase}, outside its parts", max(p.wall_ms - sum(q.wall_ms for q in parts), 0.0),
+                                max(p.gpu_busy_ms - sum(q.gpu_busy_ms for q in parts), 0.0),
+                                max(p.device_ops - sum(q.device_ops for q in parts), 0))
+            rows.append((indent + "  " + rest.phase, rest))
+
+    for p in phases:
+        if not any(inside(p, q) for q in phases):
+            add(p, "")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -224,10 +267,10 @@ def render_operators(device: list[OperatorTime], cpu: list[OperatorTime], top: i
 
 
 def render(phases: list[PhaseProfile], table: str, title: str) -> str:
-    """The text report: the phase lines, then the operator tables."""
-    lines = [title, "", f"{'phase':<22}{'wall ms':>12}{'GPU busy ms':>14}{'busy':>8}{'device ops':>12}"]
-    for p in phases:
-        lines.append(f"{p.phase:<22}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{p.device_ops:>12}")
+    """The text report: the phase lines (`phase_rows`), then the operator tables."""
+    lines = [title, "", f"{'phase':<28}{'wall ms':>12}{'GPU busy ms':>14}{'busy':>8}{'device ops':>12}"]
+    for label, p in phase_rows(phases):
+        lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{p.device_ops:>12}")
     return "\n".join([*lines, "", table, ""])
 
 

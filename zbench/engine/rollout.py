@@ -28,6 +28,7 @@ from torch import nn
 
 from zbench.engine import device_memory
 from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
+from zbench.engine.profiling import part
 from zbench.engine.records import gpu_memory_in_use_gb
 
 GQA_DECODE = "zbench_gqa_decode"
@@ -497,16 +498,28 @@ class GraphDecoder:
         nothing)."""
         batch, width = input_ids.shape
         device = input_ids.device
-        cache, mask, state = self._cache(batch, width + max_new_tokens, max_new_tokens, eos_ids, device)
-        mask[:, :width] = attention_mask
+        with part("gen/cache"):  # the parts of a step profile's gen phase (zbench.engine.profiling)
+            cache, mask, state = self._cache(batch, width + max_new_tokens, max_new_tokens, eos_ids, device)
+            mask[:, :width] = attention_mask
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits, shared = self._prefill(input_ids, attention_mask, positions, cache, mask, samples)
+        with part("gen/prefill"):
+            logits, shared = self._prefill(input_ids, attention_mask, positions, cache, mask, samples)
         if self.attention != "triton":  # SDPA reads every row's cache anyway
             shared = (1, 0)
         self.shared_prefix = shared
+        with part("gen/decode"):
+            return self._decode_loop(logits, positions, width, mask, cache, state, temperature=temperature,
+                                     top_p=top_p, pad_id=pad_id, eos_ids=eos_ids, generator=generator, shared=shared)
+
+    def _decode_loop(self, logits: torch.Tensor, positions: torch.Tensor, width: int, mask: torch.Tensor, cache: Any,
+                     state: LoopState, *, temperature: float, top_p: float, pad_id: int, eos_ids: list[int],
+                     generator: torch.Generator | None, shared: tuple[int, int]) -> torch.Tensor:
+        """`generate`'s tokens after the prefill: drawn inside the recorded step where it can, else between steps."""
         if self.draws_in_graph(top_p):
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
                                            pad_id=pad_id, seed=self._seed(generator), shared=shared)
+        batch, max_new_tokens = state.responses.shape
+        device = logits.device
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -705,7 +718,8 @@ class HFRollout:
             if self.device.type == "cuda":
                 self.awake_used_gb = gpu_memory_in_use_gb(self.device)
             start = time.perf_counter()
-            releasing.free_cache()
+            with part("gen/sleep"):
+                releasing.free_cache()
             self.seconds["sleep"] = time.perf_counter() - start
         return out
 
@@ -721,7 +735,9 @@ class HFRollout:
             responses = self.graph.generate(
                 input_ids.to(self.device), attention_mask.to(self.device), max_new_tokens=self.max_new_tokens,
                 temperature=self.temperature, top_p=self.top_p, pad_id=self.pad_id, eos_ids=self.eos_ids,
-                generator=generator, samples=self.samples).cpu()
+                generator=generator, samples=self.samples)
+            with part("gen/to_host"):  # waits for the decode's last kernels, which its part only launched
+                responses = responses.cpu()
             return {"responses": responses, "response_mask": response_mask_from(responses, self.eos_ids,
                                                                                 self.pad_id)}
         torch.manual_seed(seed)
