@@ -8,17 +8,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StaticCache
+from transformers import AutoModelForCausalLM, GenerationConfig, StaticCache
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from zbench.data import synthetic_problems
-from zbench.engine.batches import left_pad
 from zbench.engine.rollout import (
     GQA_DECODE,
     GraphDecoder,
     HFRollout,
     chain_lengths,
-    chained_segments,
+    chained_schedule,
     gqa_decode_attention,
     inductor_has_pdl,
     one_prompt_width,
@@ -27,22 +25,6 @@ from zbench.engine.rollout import (
     sample_tokens,
     use_gqa_decode_attention,
 )
-from zbench.models import resolve_model, special_ids
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded():
-    path = resolve_model("tiny")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    pad_id, eos_ids = special_ids(path)
-    rows = synthetic_problems(6, seed=3, split="test")
-    texts = [tok.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False) for r in rows]
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    ids[1] = ids[1][3:]  # uneven widths: real left padding
-    ids[4] = ids[4][5:]
-    input_ids, mask = left_pad(ids, pad_id, multiple=1)
-    return model, pad_id, eos_ids, input_ids, mask
 
 
 @pytest.fixture(autouse=True)
@@ -101,14 +83,18 @@ def test_steps_split_into_runs_that_never_pass_the_last(tiny):
 
 
 @pytest.mark.parametrize(("tokens", "sync_every", "per_graph"),
-                         [(24, 8, 4), (512, 64, 8), (512, 64, 5), (23, 6, 4), (10, 1, 4), (5, 64, 4), (2, 8, 4)])
+                         [(24, 8, 4), (512, 64, 8), (512, 64, 5), (23, 6, 4), (10, 1, 4), (5, 64, 4), (2, 8, 4),
+                          (1, 8, 4)])
 def test_chained_steps_stop_after_the_steps_one_step_a_replay_runs(tokens, sync_every, per_graph):
-    """`chained_segments`: whichever token the last row ends at, the steps of `_replay_chained` (step 1 alone, then
-    a segment's runs, each checked for all rows done before it where its first step is a multiple of `sync_every`)
-    are the steps `_generate_in_graph` runs one a replay, checking before step t where t is a multiple of
-    `sync_every`; no run is longer than `per_graph` or runs past a check."""
-    segments = chained_segments(tokens, sync_every, per_graph)
-    for start, lengths in segments:
+    """`chained_schedule`, as `_replay_chained` follows it (a checked entry returns where all rows are done, else all
+    its runs replay): whichever token the last row ends at, the steps run are those `_generate_in_graph` runs one a
+    replay, checking before step t where t is a multiple of `sync_every`. Step 1 runs alone; no run is longer than
+    `per_graph` or passes a check; the entries cover steps 1 .. tokens - 1 once each, in order."""
+    schedule = chained_schedule(tokens, sync_every, per_graph)
+    covered = [t for start, _, lengths in schedule for t in range(start, start + sum(lengths))]
+    assert covered == list(range(1, tokens))
+    assert schedule[:1] == ([] if tokens < 2 else [(1, sync_every == 1, [1])])
+    for start, _, lengths in schedule[1:]:
         assert lengths and all(1 <= n <= per_graph for n in lengths)
         assert not any(t % sync_every == 0 for t in range(start + 1, start + sum(lengths)))
     for last_row_ends in range(tokens + 1):  # all rows done once this token is drawn
@@ -118,13 +104,13 @@ def test_chained_steps_stop_after_the_steps_one_step_a_replay_runs(tokens, sync_
                 break
             one.append(t)
         chained = []
-        if tokens >= 2 and not (sync_every == 1 and last_row_ends < 1):
-            chained.append(1)
-            for start, lengths in segments:
-                if start % sync_every == 0 and start > last_row_ends:
-                    break
-                chained.extend(range(start, start + sum(lengths)))
+        for start, check, lengths in schedule:
+            if check and start > last_row_ends:
+                break
+            chained.extend(range(start, start + sum(lengths)))
         assert chained == one, last_row_ends
+    with pytest.raises(ValueError, match="sync_every 0: tokens between checks for all rows done, at least 1"):
+        chained_schedule(tokens, 0, per_graph)
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):
@@ -442,17 +428,20 @@ def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cu
     the tokens the recorded step draws one step a replay, and leave the same cache, mask and loop state behind (the
     tiny model ends its rows early, by token 11-17 in a CPU check, so where the check at token 16 finds them all
     done both stop there). Of up to 23 steps the first runs the compiled step as it is, then runs of 4 and 2
-    (tokens 2-7), of 4 (8-15, 16-23) replay captured graphs. Rollouts at one prompt width, a wider one (a new
-    cache: the graphs and their pool go), then the first width again (captured anew), each from its own seed."""
+    (tokens 2-7), of 4 (8-15, 16-23) replay captured graphs. Rollouts at one prompt width, a wider one whose EOS
+    id lies outside the vocabulary, so that it runs all 23 steps (a new cache: the graphs and their pool go), then
+    the first width again (captured anew), each from its own seed."""
     model, ids, mask, kwargs = _grpo_rows_on_cuda(tiny)
     kwargs = kwargs | {"temperature": 1.0}
     wide = (torch.nn.functional.pad(ids, (8, 0), value=kwargs["pad_id"]), torch.nn.functional.pad(mask, (8, 0)))
-    batches = [(ids, mask), wide, (ids, mask)]
+    never = [model.config.vocab_size + 1]
+    batches = [(ids, mask, kwargs["eos_ids"]), (*wide, never), (ids, mask, kwargs["eos_ids"])]
 
     def rollouts(decoder: GraphDecoder) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         out = []
-        for seed, (rows, kept) in enumerate(batches):
-            tokens = decoder.generate(rows, kept, **kwargs | {"generator": torch.Generator("cuda").manual_seed(seed)})
+        for seed, (rows, kept, eos_ids) in enumerate(batches):
+            tokens = decoder.generate(rows, kept, **kwargs | {"eos_ids": eos_ids,
+                                                              "generator": torch.Generator("cuda").manual_seed(seed)})
             _, cache, loop_mask, state = decoder._cache_slot
             left = {"mask": loop_mask} | {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
             for i, layer in enumerate(cache.layers):
@@ -471,6 +460,7 @@ def test_steps_captured_several_to_a_graph_draw_the_tokens_of_one_a_replay_on_cu
         assert left.keys() == expected_left.keys()
         assert [name for name in left if not torch.equal(left[name], expected_left[name])] == []
     assert not torch.equal(got[0][0], got[2][0])  # the seeds drew apart: the draws were not all the same token
+    assert int(got[1][1]["step"]) == 23  # the rollout that cannot end ran every step
 
 
 class HostReleasableMemory:

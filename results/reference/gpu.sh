@@ -10,8 +10,8 @@
 #   bash results/reference/gpu.sh update NAME:KEY=VALUE,...  # the actor update alone, 1-GPU proxy (128 x 512
 #        tokens), one variant per argument, medians of 3, within $UPDATE_BUDGET_S (default 420) -> $OUT/update.jsonl
 #   bash results/reference/gpu.sh tests [PYTEST ARGS...]      # the GPU-marked tests of the decode loop (test_rollout,
-#        test_race_sampling; pytest from the wheels in .pyt/) on the last GPU, so `loop` can take GPU 0 meanwhile ->
-#        $OUT/check-tests.txt, whole, with each failure's assertion
+#        test_race_sampling; pytest from the wheels in .pyt/) on the last GPU, so that with 2 GPUs or more `loop`
+#        can take GPU 0 meanwhile -> $OUT/check-tests.txt, whole, with each failure's assertion; exits as pytest did
 #   bash results/reference/gpu.sh pack-ops                  # DeepSpeed's compiled ops -> $OUT/dsops.tgz
 #   bash results/reference/gpu.sh loop [VARIANT ARGS...]      # the graph loop alone at GRPO's 128 rows a GPU (one
 #        step's GSM8K prompts x 4 samples, 512 wide, 512 tokens; benchmarks/graph_decode_profile.py, 5 timed rollouts
@@ -136,11 +136,14 @@ for line in open(sys.argv[1]):
 PY
   ;;
 tests)
-  python3 -c 'import pytest' 2> /dev/null || pip install -q --no-index --find-links .pyt pytest > /dev/null
-  CUDA_VISIBLE_DEVICES=$(( $(ngpu) - 1 )) timeout "${TESTS_S:-420}" python3 -m pytest -m gpu -p no:cacheprovider -q \
+  gpus=$(ngpu); [ "$gpus" -ge 1 ] || { echo "no GPU: the GPU-marked tests would all skip" >&2; exit 1; }
+  python3 -c 'import pytest' 2> /dev/null || python3 -m pip install -q --no-index --find-links .pyt pytest > /dev/null
+  CUDA_VISIBLE_DEVICES=$(( gpus - 1 )) timeout "${TESTS_S:-420}" python3 -m pytest -m gpu -p no:cacheprovider -q \
     -o log_level=WARNING tests/test_rollout.py tests/test_race_sampling.py "$@" > "$out/check-tests.txt" 2>&1
-  echo "tests rc $?" >> "$out/check-tests.txt"
+  rc=$?
+  echo "tests rc $rc" >> "$out/check-tests.txt"
   grep -E '^(FAILED|ERROR|E  )| in [0-9.]+s|tests rc' "$out/check-tests.txt" | tail -n 30
+  exit $rc
   ;;
 pack-ops)
   tar -czf "$out/dsops.tgz" -C ~/.cache torch_extensions && ls -la "$out/dsops.tgz"

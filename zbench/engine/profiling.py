@@ -6,8 +6,9 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
 
 - `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of the kernels and copies
   running inside the phase's window; how many ran there), each followed by its parts where the code labels them
-  (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the phase lies outside
-  them, then the device ops with the most device time and the CPU operators with the most self time;
+  (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the
+  phase lies outside them (`gen/(rest)`), then the device ops with the most device time and the CPU operators with
+  the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -56,7 +57,9 @@ class PhaseProfile:
     phase: str
     wall_ms: float
     gpu_busy_ms: float
-    device_ops: int  # kernels, copies and sets running on the device during the phase's window (queued earlier too)
+    # kernels, copies and sets running on the device during the phase's window (queued earlier too); None for the
+    # time outside a phase's parts, where one running across a part's edge would be counted twice
+    device_ops: int | None
     start_ns: int = 0  # the window on the profiler's clock, which places a part (`gen/decode`) inside its phase
     end_ns: int = 0
 
@@ -65,8 +68,8 @@ class PhaseProfile:
         return self.gpu_busy_ms / self.wall_ms if self.wall_ms > 0 else 0.0
 
     def line(self) -> str:
-        return (f"wall {self.wall_ms:.1f} ms, GPU busy {self.gpu_busy_ms:.1f} ms ({self.busy_share:.0%}), "
-                f"{self.device_ops} device ops")
+        ops = "" if self.device_ops is None else f", {self.device_ops} device ops"
+        return f"wall {self.wall_ms:.1f} ms, GPU busy {self.gpu_busy_ms:.1f} ms ({self.busy_share:.0%}){ops}"
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,10 @@ def part(name: str) -> Iterator[None]:
 
 def phase_rows(phases: list[PhaseProfile]) -> list[tuple[str, PhaseProfile]]:
     """The report's rows: each phase, longest first, then its parts (`<phase>/<part>` inside its window) in the order
-    they ran, indented, each with its own parts, and the phase's time outside them: wall and GPU busy time less the
-    parts' (windows one after another on one thread, so their times add up; a kernel queued in one part that runs in
-    the next counts in the next). A part whose phase was not profiled stands as a phase."""
+    they ran, indented, each with its own parts, and the phase's time outside them (`<phase>/(rest)`): wall and GPU
+    busy time less the parts' (windows one after another on one thread, so their times add up; a kernel queued in
+    one part that runs in the next counts in the next), its device ops not counted. A part labelled where no phase
+    was (a rollout outside a step's phases) stands as a phase."""
     def inside(q: PhaseProfile, p: PhaseProfile) -> bool:  # q a part of p
         rest = q.phase[len(p.phase) + 1:]
         return (q.phase.startswith(p.phase + "/") and "/" not in rest and p.start_ns <= q.start_ns
@@ -176,9 +180,8 @@ def phase_rows(phases: list[PhaseProfile]) -> list[tuple[str, PhaseProfile]]:
         for q in parts:
             add(q, indent + "  ")
         if parts:
-            rest = PhaseProfile(f"{p.phase}, outside its parts", max(p.wall_ms - sum(q.wall_ms for q in parts), 0.0),
-                                max(p.gpu_busy_ms - sum(q.gpu_busy_ms for q in parts), 0.0),
-                                max(p.device_ops - sum(q.device_ops for q in parts), 0))
+            rest = PhaseProfile(f"{p.phase}/(rest)", max(p.wall_ms - sum(q.wall_ms for q in parts), 0.0),
+                                max(p.gpu_busy_ms - sum(q.gpu_busy_ms for q in parts), 0.0), None)
             rows.append((indent + "  " + rest.phase, rest))
 
     for p in phases:
@@ -270,7 +273,8 @@ def render(phases: list[PhaseProfile], table: str, title: str) -> str:
     """The text report: the phase lines (`phase_rows`), then the operator tables."""
     lines = [title, "", f"{'phase':<28}{'wall ms':>12}{'GPU busy ms':>14}{'busy':>8}{'device ops':>12}"]
     for label, p in phase_rows(phases):
-        lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{p.device_ops:>12}")
+        ops = "–" if p.device_ops is None else p.device_ops
+        lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{ops:>12}")
     return "\n".join([*lines, "", table, ""])
 
 

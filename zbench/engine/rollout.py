@@ -203,18 +203,22 @@ def chain_lengths(steps: int, per_graph: int) -> list[int]:
     return [per_graph] * full + ([rest] if rest else [])
 
 
-def chained_segments(tokens: int, sync_every: int, per_graph: int) -> list[tuple[int, list[int]]]:
-    """The in-graph loop's decode steps 2 .. `tokens` - 1 (step t draws token t; step 1 runs alone) as segments
-    (first step, runs of `per_graph` captured as one CUDA graph each), each ending at the next multiple of
-    `sync_every` or at the last step. The host checks for all rows done before a segment whose first step is a
-    multiple of `sync_every`: the tokens where one step a replay checks, so both stop after the same steps and leave
-    the same cache and loop state behind."""
-    segments, t = [], 2
+def chained_schedule(tokens: int, sync_every: int, per_graph: int) -> list[tuple[int, bool, list[int]]]:
+    """How the in-graph loop runs its decode steps 1 .. `tokens` - 1 (step t draws token t) `per_graph` to a CUDA
+    graph: entries (first step, whether the host checks for all rows done before it, the runs' lengths). Step 1 runs
+    alone (the compiled step as it is); each later entry ends before the next multiple of `sync_every` or at the
+    last step, and the host checks before an entry whose first step is such a multiple: before the steps where one
+    step a replay checks, so both stop after the same steps and leave the same cache and loop state behind."""
+    if sync_every < 1:
+        raise ValueError(f"sync_every {sync_every}: tokens between checks for all rows done, at least 1")
+    schedule, t = [], 2
+    if tokens >= 2:
+        schedule.append((1, 1 % sync_every == 0, [1]))
     while t < tokens:
         end = min(tokens, (t // sync_every + 1) * sync_every)
-        segments.append((t, chain_lengths(end - t, per_graph)))
+        schedule.append((t, t % sync_every == 0, chain_lengths(end - t, per_graph)))
         t = end
-    return segments
+    return schedule
 
 
 def inductor_has_pdl() -> bool:
@@ -273,6 +277,8 @@ class GraphDecoder:
             raise ValueError(f"compile_mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
         if steps_per_graph < 1:
             raise ValueError(f"steps_per_graph {steps_per_graph}: the decode steps one CUDA graph holds, at least 1")
+        if sync_every < 1:
+            raise ValueError(f"sync_every {sync_every}: tokens between checks for all rows done, at least 1")
 
         use_gqa_decode_attention(model, attention)
         self.attention = attention
@@ -508,18 +514,18 @@ class GraphDecoder:
             shared = (1, 0)
         self.shared_prefix = shared
         with part("gen/decode"):
-            return self._decode_loop(logits, positions, width, mask, cache, state, temperature=temperature,
-                                     top_p=top_p, pad_id=pad_id, eos_ids=eos_ids, generator=generator, shared=shared)
+            return self._decode_loop(logits, positions, width, mask, cache, state, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, pad_id=pad_id, eos_ids=eos_ids,
+                                     generator=generator, shared=shared)
 
     def _decode_loop(self, logits: torch.Tensor, positions: torch.Tensor, width: int, mask: torch.Tensor, cache: Any,
-                     state: LoopState, *, temperature: float, top_p: float, pad_id: int, eos_ids: list[int],
-                     generator: torch.Generator | None, shared: tuple[int, int]) -> torch.Tensor:
+                     state: LoopState, *, max_new_tokens: int, temperature: float, top_p: float, pad_id: int,
+                     eos_ids: list[int], generator: torch.Generator | None, shared: tuple[int, int]) -> torch.Tensor:
         """`generate`'s tokens after the prefill: drawn inside the recorded step where it can, else between steps."""
         if self.draws_in_graph(top_p):
             return self._generate_in_graph(logits, positions, width, mask, cache, state, temperature=temperature,
                                            pad_id=pad_id, seed=self._seed(generator), shared=shared)
-        batch, max_new_tokens = state.responses.shape
-        device = logits.device
+        batch, device = logits.shape[0], logits.device
         eos = torch.tensor(eos_ids, device=device)
         out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -575,22 +581,21 @@ class GraphDecoder:
 
     def _replay_chained(self, mask: torch.Tensor, cache: Any, state: LoopState,
                         constants: tuple[float, int, tuple[int, int]]) -> None:
-        """`_generate_in_graph`'s steps with `steps_per_graph` of them in one CUDA graph: the first step runs the
-        compiled step as it is (compiling it the first time), then each run of steps (`chained_segments`) replays a
+        """`_generate_in_graph`'s steps with `steps_per_graph` of them in one CUDA graph (`chained_schedule`): the
+        first step runs the compiled step as it is (compiling it the first time), then each run of steps replays a
         graph captured from the compiled step for that many steps, over the same cache, mask and loop state, so it
-        draws the same tokens as one step a replay. The host checks for all rows done at the tokens where one step a
-        replay does."""
-        tokens = state.responses.shape[1]
-        if tokens < 2 or (self.sync_every == 1 and bool(state.done.all())):
-            return
-        self._chain_stream = self._chain_stream or torch.cuda.Stream(mask.device)
-        self._chain_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._chain_stream):
-            self._decode_and_draw(mask, cache, state, *constants)
-        torch.cuda.current_stream().wait_stream(self._chain_stream)
-        for start, lengths in chained_segments(tokens, self.sync_every, self.steps_per_graph):
-            if start % self.sync_every == 0 and bool(state.done.all()):
+        draws the same tokens as one step a replay, and checks for all rows done before the same steps."""
+        schedule = chained_schedule(state.responses.shape[1], self.sync_every, self.steps_per_graph)
+        for start, check, lengths in schedule:
+            if check and bool(state.done.all()):
                 return
+            if start == 1:  # on the stream the graphs are captured on, so its cuBLAS workspace stays off their pool
+                self._chain_stream = self._chain_stream or torch.cuda.Stream(mask.device)
+                self._chain_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._chain_stream):
+                    self._decode_and_draw(mask, cache, state, *constants)
+                torch.cuda.current_stream().wait_stream(self._chain_stream)
+                continue
             for length in lengths:
                 key = (self._cache_slot[0], *constants, length)  # the slot `generate` took
                 if key not in self._chains:

@@ -34,7 +34,7 @@ from zbench.engine.batches import (
 )
 from zbench.engine.cluster import free_port, join_process_group
 from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
-from zbench.engine.profiling import StepProfiler
+from zbench.engine.profiling import PhaseProfile, StepProfiler, phase_rows
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
 from zbench.procs import CARRIED_WARNING, PROCESS_DIR_ENV
@@ -351,7 +351,10 @@ class _Worker:
         except Exception as err:  # a profile that cannot be written must not fail the case it measures
             print(f"[profile] {stem}: no profile written: {type(err).__name__}: {err}", flush=True)
             return []
-        return [{"phase": p.phase, "wall_ms": p.wall_ms, "line": p.line()} for p in phases]
+        # torch.profiler's phases with their parts under them, as the text report lists them; cProfile's as they are
+        timed = [p for p in phases if isinstance(p, PhaseProfile)]
+        rows = phase_rows(timed) if len(timed) == len(phases) else [(p.phase, p) for p in phases]
+        return [{"phase": label.strip(), "wall_ms": p.wall_ms, "line": p.line()} for label, p in rows]
 
     def sample_device_memory(self, phase: str, extra_gb: float = 0.0) -> None:
         """Note the memory in use on this GPU by every process (what nvidia-smi shows) at the end of `phase`
