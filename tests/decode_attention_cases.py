@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_rollout import _decode_logits, tiny, tiny_loaded  # noqa: F401  (the same model, prompts and decode helper)
+from test_rollout import _decode_logits, tiny  # noqa: F401  (the same model, prompts and decode helper)
 
 from zbench.engine import decode_attention as da
 from zbench.engine.rollout import (

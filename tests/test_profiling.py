@@ -3,6 +3,7 @@ real `torch.profiler` run labelled by phase; the python profiler's per-phase fun
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 import time
@@ -180,12 +181,13 @@ def test_parts_of_a_phase_follow_it_with_what_lies_outside_them() -> None:
 def test_graph_loop_labels_the_parts_of_its_rollout(tiny_loaded, tmp_path: Path) -> None:
     """A real rollout of the graph loop (eager on the CPU, its KV cache released after it) under a profiled `gen`
     phase: the report lists the cache, prefill, decode, copy to the host and release under `gen`, in that order,
-    with the rest of the phase; the parts' walls and the rest add up to the phase's."""
+    with the rest of the phase; the parts' windows lie one after another inside the phase's."""
     from zbench.engine.rollout import HFRollout
 
     model, pad_id, eos_ids, input_ids, mask = tiny_loaded
-    rollout = HFRollout(model, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=6, temperature=1.0, top_p=1.0,
-                        static_cache=False, device=torch.device("cpu"), cuda_graph=True, release_kv_cache=True)
+    rollout = HFRollout(copy.deepcopy(model), pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=6, temperature=1.0,
+                        top_p=1.0, static_cache=False, device=torch.device("cpu"), cuda_graph=True,
+                        release_kv_cache=True)
     prof = StepProfiler(on_cuda=False)
     prof.start()
     with prof.phase("gen"):

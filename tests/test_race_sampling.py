@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_rollout import tiny, tiny_loaded  # noqa: F401  (the same model and prompts)
+from test_rollout import tiny  # noqa: F401  (the same model and prompts: tiny_loaded is in conftest)
 
 from zbench.engine import race_sampling as rs
 from zbench.engine.rollout import GraphDecoder, response_mask_from
