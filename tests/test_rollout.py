@@ -76,6 +76,8 @@ def test_steps_split_into_runs_that_never_pass_the_last(tiny):
     assert chain_lengths(5, 1) == [1] * 5
     with pytest.raises(ValueError, match="steps_per_graph 0: the decode steps one CUDA graph holds, at least 1"):
         GraphDecoder(copy.deepcopy(tiny[0]), compile=False, steps_per_graph=0)
+    with pytest.raises(ValueError, match="sync_every 0: tokens between checks for all rows done, at least 1"):
+        GraphDecoder(copy.deepcopy(tiny[0]), compile=False, sync_every=0)
     eager = GraphDecoder(tiny[0], compile=False, steps_per_graph=8)
     assert eager.steps_per_graph == 1 and eager.steps_a_graph(1.0) == 1
     eager.steps_per_graph = 8  # as on CUDA: still one step a replay where the draw runs between steps
@@ -109,8 +111,6 @@ def test_chained_steps_stop_after_the_steps_one_step_a_replay_runs(tokens, sync_
                 break
             chained.extend(range(start, start + sum(lengths)))
         assert chained == one, last_row_ends
-    with pytest.raises(ValueError, match="sync_every 0: tokens between checks for all rows done, at least 1"):
-        chained_schedule(tokens, 0, per_graph)
 
 
 def test_greedy_loop_equals_generate_with_left_padding_and_eos(tiny):

@@ -208,9 +208,8 @@ def chained_schedule(tokens: int, sync_every: int, per_graph: int) -> list[tuple
     graph: entries (first step, whether the host checks for all rows done before it, the runs' lengths). Step 1 runs
     alone (the compiled step as it is); each later entry ends before the next multiple of `sync_every` or at the
     last step, and the host checks before an entry whose first step is such a multiple: before the steps where one
-    step a replay checks, so both stop after the same steps and leave the same cache and loop state behind."""
-    if sync_every < 1:
-        raise ValueError(f"sync_every {sync_every}: tokens between checks for all rows done, at least 1")
+    step a replay checks, so both stop after the same steps and leave the same cache and loop state behind.
+    `sync_every` is at least 1 (`GraphDecoder` refuses less)."""
     schedule, t = [], 2
     if tokens >= 2:
         schedule.append((1, 1 % sync_every == 0, [1]))
