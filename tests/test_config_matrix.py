@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from zbench.config import (
+    GRAPH_STEPS_PER_GRAPH,
     ConfigError,
     auto_takes_graph_loop,
     critic_overlap_faster,
@@ -192,6 +193,47 @@ def test_steps_per_graph_belongs_to_the_graph_loop() -> None:
     cuda = expand(load_matrix("grpo-six-case"), sets=[("rollout.steps_per_graph", 8)], case_globs=["zero2_*"],
                   device_defaults=True, on_cuda=True)
     assert cuda and all(c.config.rollout.cuda_graph and c.config.rollout.steps_per_graph == 8 for c in cuda)
+
+
+def test_gpu_graph_loop_cases_capture_four_steps_a_graph_unless_named() -> None:
+    """On CUDA a case whose graph loop records its decode steps and draws in them (top_p 1, the replica kept on the
+    GPU) takes `rollout.steps_per_graph` = GRAPH_STEPS_PER_GRAPH; the eager loop of a parked replica, a top_p below
+    1, vLLM and the CPU keep 1, and a named value stands."""
+    ref = [("trainer.device", "cuda"), ("trainer.world_size", 2), ("trainer.train_batch_size", 64),
+           ("actor.ppo_mini_batch_size", 64), ("rollout.max_new_tokens", 512), ("data.max_prompt_length", 512),
+           ("model.path", "qwen3-0.6b")]
+
+    def steps(*sets: tuple[str, object], matrix: str = "grpo-six-case") -> dict[str, int]:
+        cases = expand(load_matrix(matrix), sets=[*ref, *sets], device_defaults=True)
+        named = "rollout.steps_per_graph" in dict(sets)
+        for c in cases:
+            if named:  # a named value is never a default
+                assert "rollout.steps_per_graph" not in c.device_defaults, c.name
+            else:  # what the config runs is what the defaults say they set
+                assert c.config.rollout.steps_per_graph == c.device_defaults.get("rollout.steps_per_graph", 1), c.name
+        return {c.name: c.config.rollout.steps_per_graph for c in cases}
+
+    assert GRAPH_STEPS_PER_GRAPH > 1
+    grpo = steps()
+    assert {n for n, k in grpo.items() if k == GRAPH_STEPS_PER_GRAPH} == {"zero1_no_offload", "zero2_no_offload",
+                                                                          "zero3_no_offload"}
+    assert {n for n, k in grpo.items() if k != GRAPH_STEPS_PER_GRAPH} == {n for n in grpo if "cpu_offload" in n}
+    assert all(k == 1 for k in grpo.values() if k != GRAPH_STEPS_PER_GRAPH)
+    ppo = steps(matrix="six-case")  # PPO's loop where it was measured: ZeRO-1/2 without offload
+    assert {n for n, k in ppo.items() if k == GRAPH_STEPS_PER_GRAPH} == {"zero1_no_offload", "zero2_no_offload"}
+    # the loop asked for on a parked replica runs eagerly, a step at a time: no default claims more
+    parked = steps(("rollout.cuda_graph", True))
+    assert all(k == 1 for n, k in parked.items() if "cpu_offload" in n)
+    assert set(steps(("rollout.top_p", 0.9)).values()) == {1}  # the draw between steps: one step a replay
+    assert set(steps(("rollout.backend", "vllm")).values()) == {1}
+    # auto where it samples with vLLM, the loop named or not: 1; where it takes the loop: the loop's default
+    assert set(steps(("rollout.backend", "auto"), ("rollout.release_kv_cache", False)).values()) == {1}
+    assert set(steps(("rollout.backend", "auto"), ("rollout.cuda_graph", True), ("trainer.world_size", 1)).values()) \
+        == {1}
+    assert steps(("rollout.backend", "auto"))["zero2_no_offload"] == GRAPH_STEPS_PER_GRAPH
+    assert set(steps(("rollout.steps_per_graph", 2)).values()) == {2}  # named: the loop on everywhere, at 2
+    cpu = expand(load_matrix("grpo-six-case"), sets=[("trainer.device", "cpu")], device_defaults=True)
+    assert all(c.config.rollout.steps_per_graph == 1 for c in cpu)
 
 
 def test_set_on_a_key_a_case_name_stands_for_is_refused(tmp_path: Path) -> None:

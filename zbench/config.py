@@ -165,8 +165,8 @@ class RolloutConfig:
     # cuda_graph with the in-graph draw (top_p 1), on CUDA: decode steps captured as one CUDA graph, so the host
     # launches a graph once every this many tokens and dynamo checks its guards at a rollout's first step only (1:
     # torch.compile records and replays each step); graphs end where one step a replay checks for all rows done, so
-    # both stop after the same steps. 4 took 4-5 % off runs' rollout phases on 2 x H200, in one run each
-    # (results/reference/h200x2-chained-20261128); 1 until its GPU test passes; result.json records what ran
+    # both stop after the same steps. A GPU default of 4 where the loop records its steps and draws in them
+    # (GRAPH_STEPS_PER_GRAPH: 0.6-5.4 % off runs' rollout phases on 2 x H200); result.json records what ran
     steps_per_graph: int = 1
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
@@ -633,6 +633,9 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         if taken or (backend == "hf" and (named("rollout.decode_attention") or named("rollout.steps_per_graph"))):
             out["rollout.cuda_graph"] = True
     sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
+    if (rollout_engine(sampling, True) == "hf-graph" and sampling.rollout.top_p >= 1.0
+            and not named("rollout.steps_per_graph")):
+        out["rollout.steps_per_graph"] = GRAPH_STEPS_PER_GRAPH  # where the loop records its steps and draws in them
     if rollout_engine(sampling, True) == "vllm" and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
     if cfg.needs_critic and critic_overlap_faster(cfg.zero.stage, cfg.zero.offload):
@@ -663,6 +666,12 @@ def replica_parks(cfg: RunConfig) -> bool:
     through training (`zbench.analyze.activations`)."""
     return effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer != "none"
 
+
+# decode steps one CUDA graph of the graph loop holds on a GPU (`rollout.steps_per_graph`'s GPU default): against 1,
+# 4 took 0.6-5.4 % off the rollout phase in each of 6 pairs of runs on 2 x H200 (two machines, 4 first in one round
+# and second in the other: results/reference/h200x2-chained-20261128, h200x2-spg4-20261128), for up to 0.5 GB more
+# memory reserved; 8 and 16 were no faster than 1 in the loop alone
+GRAPH_STEPS_PER_GRAPH = 4
 
 # the most rows one rank samples at once where `rollout.backend=auto` takes the graph loop on a GPU: PPO's, whose
 # critic updates beside the rollout, and a case's without a critic (GRPO's) where the loop gives its KV cache back
