@@ -26,6 +26,8 @@ import torch
 from decode_attention_bench import on_off  # this script's folder
 from vllm_profile import kernel_table, step_prompts  # this script's folder; imports no vLLM
 
+from zbench.config import GRAPH_STEPS_PER_GRAPH
+from zbench.engine.profiling import DeviceTimeline, idle_class_names
 from zbench.engine.rollout import COMPILE_MODES, DECODE_ATTENTION, inductor_has_pdl
 
 
@@ -74,13 +76,14 @@ def main() -> None:
     on_off(parser, "--pdl", "on", "programmatic dependent launch for the Triton attention's kernels (`PDL`, the "
            "default) and Inductor's own (GraphDecoder compiles them with `triton.enable_pdl`): each kernel scheduled "
            "while the one before it drains (Hopper and later); each measured in turn, on a fresh copy of the model")
-    parser.add_argument("--steps-per-graph", type=int, nargs="+", default=[1],
+    parser.add_argument("--steps-per-graph", type=int, nargs="+", default=[GRAPH_STEPS_PER_GRAPH],
                         help="with the in-graph draw: decode steps captured as one CUDA graph (GraphDecoder's "
-                             "steps_per_graph; 1: torch.compile records each step), each measured in turn, on a "
-                             "fresh copy of the model")
+                             "steps_per_graph; 1: torch.compile records each step; default: a GPU case's default), "
+                             "each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
-                        help="with each profile, where the GPU idles between kernels: the idle time by gap size, "
-                             "and the longest gaps with the kernel that ended each")
+                        help="with each profile, where the GPU idles between kernels: the idle time by gap length, "
+                             "and the longest gaps, each with the device op it followed and the host's operator as it "
+                             "began")
     args = parser.parse_args()
     if "on" in args.pdl and not inductor_has_pdl():
         parser.error(f"--pdl on: torch {torch.__version__}'s Inductor has no `triton.enable_pdl`")
@@ -184,30 +187,19 @@ def main() -> None:
 
 
 def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, object]:
-    """Where the GPU idled between the profiled rollout's first and last kernel: idle seconds and gap counts by gap
-    size, and the `longest` gaps (microseconds) with the kernel each followed, which tells a host that cannot keep up
-    every step (many small gaps) from a few stalls (a sync, the prefill's launches)."""
-    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                   if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation())
-    sizes = {"<5us": [0, 0], "5-20us": [0, 0], "20-100us": [0, 0], "100us-1ms": [0, 0], ">1ms": [0, 0]}
-    gaps: list[tuple[int, str]] = []
-    if not spans:  # a CPU run records no device kernels
+    """Where the GPU idled between the profiled rollout's first and last device op: idle seconds and gap counts by gap
+    length (`zbench.engine.profiling.IDLE_EDGES_NS`), and the `longest` gaps (microseconds) with the device op each
+    followed and the host's operator as it began, which tells a host that cannot keep up every step (many small
+    gaps) from a few stalls (a sync, the prefill's launches)."""
+    timeline = DeviceTimeline(list(prof.profiler.kineto_results.events()))
+    if not timeline.ops:  # a CPU run records no device ops
         return {"kernels": 0}
-    end, after = spans[0][1], spans[0][2]
-    for start, stop, name in spans[1:]:
-        gap = start - end
-        if gap > 0:
-            key = ("<5us" if gap < 5e3 else "5-20us" if gap < 2e4 else "20-100us" if gap < 1e5
-                   else "100us-1ms" if gap < 1e6 else ">1ms")
-            sizes[key][0] += 1
-            sizes[key][1] += gap
-            gaps.append((gap, after[:60]))
-        if stop > end:
-            end, after = stop, name
-    gaps.sort(reverse=True)
-    return {"kernels": len(spans), "span_s": (end - spans[0][0]) / 1e9,
-            "by_size": {k: {"gaps": n, "idle_s": round(ns / 1e9, 4)} for k, (n, ns) in sizes.items()},
-            "longest_us": [[round(g / 1e3, 1), name] for g, name in gaps[:longest]]}
+    start, end = timeline.span
+    idle = timeline.idle(start, end, None, listed=longest)
+    return {"kernels": len(timeline.ops), "span_s": (end - start) / 1e9,
+            "by_size": {name: {"gaps": n, "idle_s": round(ms / 1e3, 4)}
+                        for name, (n, ms) in zip(idle_class_names(), idle.classes, strict=True)},
+            "longest_us": [[round(g.length_us, 1), g.after[:60], g.host[:60]] for g in idle.longest]}
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ from test_engine_case import make_case, records, train
 
 from zbench.config import ConfigError, from_dict
 from zbench.engine.profiling import (
+    IDLE_EDGES_NS,
+    DeviceTimeline,
     StepProfiler,
     busy_within,
+    idle_within,
     operator_times,
     phase_profiles,
     phase_rows,
@@ -148,6 +151,53 @@ def test_phase_busy_time_comes_from_the_device_timeline() -> None:
     assert critic.busy_share == 0.4
     assert (actor.phase, actor.wall_ms, actor.gpu_busy_ms, actor.device_ops) == ("update_actor", 2, 0.5, 1)
     assert "update_critic" in render([critic, actor], "", "t").splitlines()[3]
+
+
+def test_idle_gaps_say_how_long_the_device_waited_and_on_what() -> None:
+    """A phase's GPU idle: the stretches of its window no device op covers (overlaps once, clipped to the window),
+    counted and summed by length class, the longest listed at their start in the window with the innermost CPU
+    operator the phase's own thread was running then (none: Python between operators; another thread's operators
+    do not count); the report prints both. A profile without device activity (a CPU run) has no idle section."""
+    assert idle_within([(2, 5), (4, 6), (8, 9)], 0, 10) == [(0, 2), (6, 8), (9, 10)]
+    assert idle_within([(-3, 12)], 0, 10) == [] and idle_within([], 3, 7) == [(3, 7)]
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    us = 1_000
+    assert (10 * us, 100 * us, 1000 * us) == IDLE_EDGES_NS
+    events = [
+        _Event("zbench/gen", cpu, 0, 10_000 * us, thread=7),
+        _Event("kernel_a", gpu, 0, 1_000 * us),
+        _Event("kernel_b", gpu, 1_005 * us, 3_000 * us),  # 5 us after a: a short gap
+        _Event("kernel_c", gpu, 3_050 * us, 3_500 * us),  # 50 us
+        _Event("kernel_d", gpu, 4_000 * us, 6_000 * us),  # 500 us, in which the host launched a graph
+        _Event("kernel_e", gpu, 8_000 * us, 9_990 * us),  # 2 ms, in which the host waited on a sync
+        _Event("cudaGraphLaunch", cpu, 3_400 * us, 3_600 * us, thread=7),
+        _Event("aten::item", cpu, 5_900 * us, 8_010 * us, thread=7),
+        _Event("cudaStreamSynchronize", cpu, 5_950 * us, 8_005 * us, thread=7),  # inside aten::item: the innermost
+        _Event("aten::mm", cpu, 3_000 * us, 9_000 * us, thread=8),  # another thread's: not the phase's host
+    ]
+    [gen] = phase_profiles(events)
+    assert gen.idle is not None
+    # 10 us after kernel_e too, to the window's end: a gap of the second class
+    assert gen.idle.classes == ((1, 0.005), (2, 0.06), (1, 0.5), (1, 2.0)) and gen.idle.ms == pytest.approx(2.565)
+    assert gen.gpu_busy_ms + gen.idle.ms == pytest.approx(gen.wall_ms)
+    assert [(g.offset_ms, g.length_us, g.after, g.host) for g in gen.idle.longest] == [
+        (6.0, 2000.0, "kernel_d", "cudaStreamSynchronize"), (3.5, 500.0, "kernel_c", "cudaGraphLaunch"),
+        (3.0, 50.0, "kernel_b", ""), (9.99, 10.0, "kernel_e", ""), (1.0, 5.0, "kernel_a", "")]
+    text = render([gen], "", "t")
+    assert "GPU idle inside each phase" in text
+    assert ("gen:\n  +6.0 ms 2000 us after kernel_d, host in cudaStreamSynchronize\n"
+            "  +3.5 ms 500 us after kernel_c, host in cudaGraphLaunch\n"
+            "  +3.0 ms 50 us after kernel_b, host in (no operator)\n") in text
+    # a window that begins idle: no op before its first gap; any thread's operator where none is named
+    timeline = DeviceTimeline(events)
+    assert timeline.span == (0, 9_990 * us)
+    early = timeline.idle(-20 * us, 1_000 * us, None)
+    assert [(g.length_us, g.after) for g in early.longest] == [(20.0, "")] and early.classes[1] == (1, 0.02)
+    assert timeline.host_at(3_450 * us, None) == "cudaGraphLaunch"  # thread 7's innermost beats thread 8's aten::mm
+    assert timeline.host_at(8_500 * us, None) == "aten::mm" and timeline.host_at(8_500 * us, 7) == ""
+    idle_line = next(line for line in text.splitlines() if line.startswith("gen ") and "2.6" in line)
+    assert idle_line.split() == ["gen", "2.6", "1", "0.0", "2", "0.1", "1", "0.5", "1", "2.0"]
+    assert "GPU idle" not in render(phase_profiles(events[:1] + events[6:]), "", "t")  # no device: no section
 
 
 def test_parts_of_a_phase_follow_it_with_what_lies_outside_them() -> None:

@@ -7,8 +7,9 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
 - `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of the kernels and copies
   running inside the phase's window; how many ran there), each followed by its parts where the code labels them
   (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the
-  phase lies outside them (`gen/(rest)`), then the device ops with the most device time and the CPU operators with
-  the most self time;
+  phase lies outside them (`gen/(rest)`); then where each phase's GPU idled (its gaps between device ops by
+  length, and the longest, each with the CPU operator the host was running as it began: a sync, a launch, a copy,
+  or none, Python); then the device ops with the most device time and the CPU operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -31,6 +32,7 @@ import contextlib
 import cProfile
 import gc
 import gzip
+import itertools
 import pstats
 import shutil
 import time
@@ -48,6 +50,35 @@ PHASE_PREFIX = "zbench/"
 HOST_TOP = 25  # functions listed per phase by the python profiler
 OPERATORS_TOP = 30  # rows of each operator table of torch.profiler's text report
 OPERATOR_NAME_WIDTH = 100  # characters of an operator's name shown there (kernel names run to thousands)
+HOST_NAME_WIDTH = 60  # characters of an operator's name beside an idle gap
+
+
+# the lengths that split a window's GPU idle into classes: gaps under 10 us (between the kernels of one launch or graph),
+# to 100 us, to 1 ms (a launch or a host step the device waited for), and longer (a sync, a copy to the host, Python)
+IDLE_EDGES_NS = (10_000, 100_000, 1_000_000)
+IDLE_LISTED = 5  # the longest gaps listed per phase, each with what the host was running as it began
+
+
+@dataclass(frozen=True)
+class IdleGap:
+    """One stretch of a phase's window in which the device ran nothing."""
+
+    offset_ms: float  # from the window's start
+    length_us: float
+    after: str  # the device op whose end began the gap; "" where the window began idle
+    host: str  # the innermost CPU operator running on the phase's thread as the gap began; "" where none was
+
+
+@dataclass(frozen=True)
+class IdleProfile:
+    """A window's GPU idle time: per class of `IDLE_EDGES_NS` the gaps' count and summed length, and the longest."""
+
+    classes: tuple[tuple[int, float], ...]  # (gaps, ms), shortest class first
+    longest: tuple[IdleGap, ...]  # longest first
+
+    @property
+    def ms(self) -> float:
+        return sum(ms for _, ms in self.classes)
 
 
 @dataclass(frozen=True)
@@ -62,6 +93,9 @@ class PhaseProfile:
     device_ops: int | None
     start_ns: int = 0  # the window on the profiler's clock, which places a part (`gen/decode`) inside its phase
     end_ns: int = 0
+    # where in the window the device ran nothing, in classes of gap length; None where the profile saw no device
+    # (a CPU run) and for the time outside a phase's parts
+    idle: IdleProfile | None = None
 
     @property
     def busy_share(self) -> float:
@@ -119,34 +153,115 @@ def render_host(phases: list[HostPhase], title: str) -> str:
     return "\n".join([*lines, ""])
 
 
-def busy_within(intervals: list[tuple[int, int]], start: int, end: int) -> int:
-    """Length of the union of `intervals` (start, end) clipped to [start, end]: overlapping kernels on several
-    streams count once."""
-    clipped = sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end)
-    total, cur_s, cur_e = 0, None, None
-    for s, e in clipped:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+def union_within(intervals: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The union of `intervals` (start, end) clipped to [start, end], as disjoint intervals in order: overlapping
+    kernels on several streams count once."""
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
         else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+            merged.append((s, e))
+    return merged
+
+
+def busy_within(intervals: list[tuple[int, int]], start: int, end: int) -> int:
+    """Length of the union of `intervals` clipped to [start, end] (`union_within`)."""
+    return sum(e - s for s, e in union_within(intervals, start, end))
+
+
+def idle_within(intervals: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The stretches of [start, end] that no interval covers, in order: where the device ran nothing."""
+    return _between(union_within(intervals, start, end), start, end)
+
+
+def _between(merged: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The stretches of [start, end] outside `merged` (disjoint, in order, within it)."""
+    gaps, at = [], start
+    for s, e in merged:
+        if s > at:
+            gaps.append((at, s))
+        at = e
+    if end > at:
+        gaps.append((at, end))
+    return gaps
+
+
+class DeviceTimeline:
+    """A profile's device ops (kernels, copies, sets) and each thread's CPU operators, from kineto events: how long
+    the device was busy within a window, and where in it, and on what, it waited."""
+
+    def __init__(self, events: list[Any]):
+        import numpy as np
+
+        cpu, device = torch.autograd.DeviceType.CPU, []
+        spans: dict[int, list[tuple[int, int, str]]] = {}
+        for e in events:
+            if e.device_type() != cpu:
+                if not e.is_user_annotation():
+                    device.append((e.start_ns(), e.end_ns(), e.name()))
+            elif not e.is_async() and not e.name().startswith(PHASE_PREFIX):  # a phase label is no operator
+                spans.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), e.name()))
+        device.sort()
+        self.ops = [(s, e) for s, e, _ in device]
+        self._ended: dict[int, str] = {}  # the op that ended at a moment (the last listed, where several did)
+        for _, e, name in device:
+            self._ended[e] = name
+        self._np = np
+        self._threads = {t: (np.array([s for s, _, _ in ops], dtype=np.int64),
+                             np.array([e for _, e, _ in ops], dtype=np.int64), [n for _, _, n in ops])
+                         for t, ops in spans.items()}
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """From the first device op's start to the last one's end; (0, 0) where there was none."""
+        return (self.ops[0][0], max(e for _, e in self.ops)) if self.ops else (0, 0)
+
+    def host_at(self, ns: int, thread: int | None) -> str:
+        """The innermost CPU operator running at `ns` (the latest to start among those running) on `thread`, or on
+        any thread where None; "" where none was (Python between operators, or a thread that records none)."""
+        best, name = None, ""
+        for t, (starts, ends, names) in self._threads.items():
+            if thread is not None and t != thread:
+                continue
+            running = (starts <= ns) & (ends > ns)
+            if running.any():
+                k = int(self._np.where(running, starts, self._np.iinfo(self._np.int64).min).argmax())
+                if best is None or starts[k] > best:
+                    best, name = starts[k], names[k]
+        return name
+
+    def idle(self, start: int, end: int, thread: int | None, listed: int = IDLE_LISTED,
+             busy: list[tuple[int, int]] | None = None) -> IdleProfile:
+        """The gaps of [start, end] in which the device ran nothing, in classes of `IDLE_EDGES_NS`, and the `listed`
+        longest, each with the device op it followed and the host's operator (`host_at` on `thread`) as it began.
+        `busy`: the window's `union_within`, where the caller has it."""
+        gaps = _between(union_within(self.ops, start, end) if busy is None else busy, start, end)
+        classes = [[0, 0] for _ in range(len(IDLE_EDGES_NS) + 1)]
+        for s, e in gaps:
+            row = classes[sum(e - s >= edge for edge in IDLE_EDGES_NS)]
+            row[0] += 1
+            row[1] += e - s
+        longest = sorted(gaps, key=lambda g: g[0] - g[1])[:listed]
+        return IdleProfile(tuple((n, ns / 1e6) for n, ns in classes),
+                           tuple(IdleGap((s - start) / 1e6, (e - s) / 1e3, self._ended.get(s, ""),
+                                         self.host_at(s, thread)) for s, e in longest))
 
 
 def phase_profiles(events: list[Any]) -> list[PhaseProfile]:
-    """Phases (CPU ranges labelled `zbench/...`) with the device activity inside each, from kineto events."""
-    device = [(e.start_ns(), e.end_ns()) for e in events
-              if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation()]
+    """Phases (CPU ranges labelled `zbench/...`) with the device activity inside each, from kineto events; where the
+    profile holds device activity at all, each phase's idle gaps too (the host's operators from its own thread)."""
+    timeline = DeviceTimeline(events)
+    device = timeline.ops
     out = []
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(PHASE_PREFIX):
             start, end = e.start_ns(), e.end_ns()
             n_ops = sum(1 for s, f in device if s < end and f > start)
+            busy = union_within(device, start, end)
+            idle = timeline.idle(start, end, e.start_thread_id(), busy=busy) if device else None
             out.append(PhaseProfile(e.name()[len(PHASE_PREFIX):], (end - start) / 1e6,
-                                    busy_within(device, start, end) / 1e6, n_ops, start, end))
+                                    sum(f - s for s, f in busy) / 1e6, n_ops, start, end, idle))
     return sorted(out, key=lambda p: p.wall_ms, reverse=True)
 
 
@@ -270,12 +385,45 @@ def render_operators(device: list[OperatorTime], cpu: list[OperatorTime], top: i
 
 
 def render(phases: list[PhaseProfile], table: str, title: str) -> str:
-    """The text report: the phase lines (`phase_rows`), then the operator tables."""
+    """The text report: the phase lines (`phase_rows`), the GPU idle inside each (`render_idle`), then the operator
+    tables."""
+    rows = phase_rows(phases)
     lines = [title, "", f"{'phase':<28}{'wall ms':>12}{'GPU busy ms':>14}{'busy':>8}{'device ops':>12}"]
-    for label, p in phase_rows(phases):
+    for label, p in rows:
         ops = "–" if p.device_ops is None else p.device_ops
         lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{ops:>12}")
-    return "\n".join([*lines, "", table, ""])
+    idle = render_idle(rows)
+    return "\n".join([*lines, "", *([idle, ""] if idle else []), table, ""])
+
+
+def idle_class_names() -> list[str]:
+    """The classes of `IDLE_EDGES_NS` as the reports name them: `< 10 us`, `10 us - 100 us`, ..., `>= 1 ms`."""
+    edges = [f"{e / 1e3:g} us" if e < 1_000_000 else f"{e / 1e6:g} ms" for e in IDLE_EDGES_NS]
+    return [f"< {edges[0]}", *(f"{a} - {b}" for a, b in itertools.pairwise(edges)), f">= {edges[-1]}"]
+
+
+def render_idle(rows: list[tuple[str, PhaseProfile]]) -> str:
+    """Where each phase's and part's GPU idled: the gaps between device ops by length (count and ms a class), then
+    the longest, each at its start in the window with the host's innermost operator then (what the device waited
+    for: a sync, a launch, a copy; none: Python between operators). Empty where no row has an idle profile."""
+    rows = [(label, p) for label, p in rows if p.idle is not None]
+    if not rows:
+        return ""
+    names = idle_class_names()
+    lines = ["GPU idle inside each phase (no kernel, copy or set running), by gap length: gaps, ms",
+             f"{'phase':<28}{'idle ms':>10}" + "".join(f"{n:>20}" for n in names)]
+    for label, p in rows:
+        assert p.idle is not None
+        lines.append(f"{label:<28}{p.idle.ms:>10.1f}" + "".join(f"{n:>11}{ms:>9.1f}" for n, ms in p.idle.classes))
+    lines += ["", f"the {IDLE_LISTED} longest gaps of each: start in the phase (ms), length (us), the device op it "
+                  "followed, the host's operator as it began"]
+    for label, p in rows:
+        assert p.idle is not None
+        if p.idle.longest:
+            lines.append(f"{label.strip()}:")
+            lines += [f"  +{g.offset_ms:.1f} ms {g.length_us:.0f} us after {g.after[:HOST_NAME_WIDTH] or '(none)'}, "
+                      f"host in {g.host[:HOST_NAME_WIDTH] or '(no operator)'}" for g in p.idle.longest]
+    return "\n".join(lines)
 
 
 @dataclass
