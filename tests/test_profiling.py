@@ -103,15 +103,16 @@ class _Event:
     """What `phase_profiles` and `operator_times` read from a kineto event."""
 
     def __init__(self, name: str, device: torch.autograd.DeviceType, start: int, end: int, annotation: bool = False,
-                 thread: int = 1, is_async: bool = False):
+                 thread: int = 1, is_async: bool = False, end_thread: int | None = None):
         self._name, self._device, self._start, self._end, self._annotation = name, device, start, end, annotation
         self._thread, self._async = thread, is_async
+        self._end_thread = thread if end_thread is None else end_thread
 
     def start_thread_id(self) -> int:
         return self._thread
 
     def end_thread_id(self) -> int:
-        return self._thread
+        return self._end_thread
 
     def is_async(self) -> bool:
         return self._async
@@ -160,6 +161,7 @@ def test_idle_gaps_say_how_long_the_device_waited_and_on_what() -> None:
     do not count); the report prints both. A profile without device activity (a CPU run) has no idle section."""
     assert idle_within([(2, 5), (4, 6), (8, 9)], 0, 10) == [(0, 2), (6, 8), (9, 10)]
     assert idle_within([(-3, 12)], 0, 10) == [] and idle_within([], 3, 7) == [(3, 7)]
+    assert idle_within([(2, 2), (10, 12)], 0, 10) == [(0, 10)]  # an op of no length, or one past the end: no split
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     us = 1_000
     assert (10 * us, 100 * us, 1000 * us) == IDLE_EDGES_NS
@@ -187,7 +189,8 @@ def test_idle_gaps_say_how_long_the_device_waited_and_on_what() -> None:
     assert "GPU idle inside each phase" in text
     assert ("gen:\n  +6.0 ms 2000 us after kernel_d, host in cudaStreamSynchronize\n"
             "  +3.5 ms 500 us after kernel_c, host in cudaGraphLaunch\n"
-            "  +3.0 ms 50 us after kernel_b, host in (no operator)\n") in text
+            "  +3.0 ms 50 us after kernel_b, host in (no operator on its thread; another thread in aten::mm)\n"
+            "  +10.0 ms 10 us after kernel_e, host in (no operator)\n") in text
     # a window that begins idle: no op before its first gap; any thread's operator where none is named
     timeline = DeviceTimeline(events)
     assert timeline.span == (0, 9_990 * us)
@@ -195,6 +198,11 @@ def test_idle_gaps_say_how_long_the_device_waited_and_on_what() -> None:
     assert [(g.length_us, g.after) for g in early.longest] == [(20.0, "")] and early.classes[1] == (1, 0.02)
     assert timeline.host_at(3_450 * us, None) == "cudaGraphLaunch"  # thread 7's innermost beats thread 8's aten::mm
     assert timeline.host_at(8_500 * us, None) == "aten::mm" and timeline.host_at(8_500 * us, 7) == ""
+    # of operators starting together, the one inside the other; one that ends on another thread is no operator here
+    nested = DeviceTimeline([_Event("kernel", gpu, 0, 1_000), _Event("outer", cpu, 2_000, 9_000, thread=3),
+                             _Event("inner", cpu, 2_000, 5_000, thread=3),
+                             _Event("handed_over", cpu, 2_500, 4_000, thread=3, end_thread=4)])
+    assert nested.host_at(3_000, 3) == "inner" and nested.host_at(6_000, None) == "outer"
     idle_line = next(line for line in text.splitlines() if line.startswith("gen ") and "2.6" in line)
     assert idle_line.split() == ["gen", "2.6", "1", "0.0", "2", "0.1", "1", "0.5", "1", "2.0"]
     assert "GPU idle" not in render(phase_profiles(events[:1] + events[6:]), "", "t")  # no device: no section

@@ -607,7 +607,8 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
     model; a GPU case wants compiled layers that recompute within an activation budget (or, eager, activation
     checkpointing), micro-batches sized by tokens, the largest forward
     micro-batch, the hf backend's CUDA-graph decode loop where it has run fast (`graph_loop_measured`; `auto` takes
-    it where `auto_takes_graph_loop` says), a vLLM KV cache fitted to one rollout, and PPO's critic update behind the
+    it where `auto_takes_graph_loop` says), recording `GRAPH_STEPS_PER_GRAPH` of its steps a graph where it draws in
+    them, a vLLM KV cache fitted to one rollout, and PPO's critic update behind the
     next rollout where that was measured faster. Micro-batches divide the rank's share of a mini-batch, so the
     geometry always validates; the actor's fused head takes the update's loss. Nothing named is ever changed; `zbench tune` searches beyond
     these."""
@@ -633,8 +634,7 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         if taken or (backend == "hf" and (named("rollout.decode_attention") or named("rollout.steps_per_graph"))):
             out["rollout.cuda_graph"] = True
     sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
-    if (rollout_engine(sampling, True) == "hf-graph" and sampling.rollout.top_p >= 1.0
-            and not named("rollout.steps_per_graph")):
+    if rollout_engine(sampling, True) == "hf-graph" and sampling.rollout.top_p >= 1.0:
         out["rollout.steps_per_graph"] = GRAPH_STEPS_PER_GRAPH  # where the loop records its steps and draws in them
     if rollout_engine(sampling, True) == "vllm" and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True

@@ -8,8 +8,9 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
   running inside the phase's window; how many ran there), each followed by its parts where the code labels them
   (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the
   phase lies outside them (`gen/(rest)`); then where each phase's GPU idled (its gaps between device ops by
-  length, and the longest, each with the CPU operator the host was running as it began: a sync, a launch, a copy,
-  or none, Python); then the device ops with the most device time and the CPU operators with the most self time;
+  length, and the longest, each with the device op it followed and the CPU operator the phase's thread was
+  running as it began: a sync, a launch, a copy; where none, Python or a wait that records none, and then what
+  another thread ran, such as autograd's during a backward); then the device ops with the most device time and the CPU operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -67,6 +68,9 @@ class IdleGap:
     length_us: float
     after: str  # the device op whose end began the gap; "" where the window began idle
     host: str  # the innermost CPU operator running on the phase's thread as the gap began; "" where none was
+    # the innermost running on the profile's other threads then (autograd's, where a backward holds the phase's
+    # thread in a wait that records no operator); "" where none was, or where the gap's window has no thread
+    elsewhere: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ def union_within(intervals: list[tuple[int, int]], start: int, end: int) -> list
     """The union of `intervals` (start, end) clipped to [start, end], as disjoint intervals in order: overlapping
     kernels on several streams count once."""
     merged: list[tuple[int, int]] = []
-    for s, e in sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end):
+    for s, e in sorted((max(s, start), min(e, end)) for s, e in intervals if min(e, end) > max(s, start)):
         if merged and s <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], e))
         else:
@@ -200,7 +204,8 @@ class DeviceTimeline:
             if e.device_type() != cpu:
                 if not e.is_user_annotation():
                     device.append((e.start_ns(), e.end_ns(), e.name()))
-            elif not e.is_async() and not e.name().startswith(PHASE_PREFIX):  # a phase label is no operator
+            elif (not e.is_async() and e.start_thread_id() == e.end_thread_id()
+                  and not e.name().startswith(PHASE_PREFIX)):  # a phase label is no operator
                 spans.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), e.name()))
         device.sort()
         self.ops = [(s, e) for s, e, _ in device]
@@ -217,18 +222,22 @@ class DeviceTimeline:
         """From the first device op's start to the last one's end; (0, 0) where there was none."""
         return (self.ops[0][0], max(e for _, e in self.ops)) if self.ops else (0, 0)
 
-    def host_at(self, ns: int, thread: int | None) -> str:
-        """The innermost CPU operator running at `ns` (the latest to start among those running) on `thread`, or on
-        any thread where None; "" where none was (Python between operators, or a thread that records none)."""
-        best, name = None, ""
+    def host_at(self, ns: int, thread: int | None, *, skip: int | None = None) -> str:
+        """The innermost CPU operator running at `ns` on `thread`, or on any thread (but `skip`) where None: the
+        latest to start among those running, of those the first to end; "" where none was (Python between
+        operators, a wait that records none, or a thread that records none)."""
+        best: tuple[int, int] | None = None  # (start, -end) of the innermost so far
+        name = ""
         for t, (starts, ends, names) in self._threads.items():
-            if thread is not None and t != thread:
+            if (thread is not None and t != thread) or t == skip:
                 continue
-            running = (starts <= ns) & (ends > ns)
-            if running.any():
-                k = int(self._np.where(running, starts, self._np.iinfo(self._np.int64).min).argmax())
-                if best is None or starts[k] > best:
-                    best, name = starts[k], names[k]
+            running = self._np.flatnonzero((starts <= ns) & (ends > ns))
+            if running.size:
+                latest = running[starts[running] == starts[running].max()]
+                k = int(latest[ends[latest].argmin()])
+                key = (int(starts[k]), -int(ends[k]))
+                if best is None or key > best:
+                    best, name = key, names[k]
         return name
 
     def idle(self, start: int, end: int, thread: int | None, listed: int = IDLE_LISTED,
@@ -245,7 +254,9 @@ class DeviceTimeline:
         longest = sorted(gaps, key=lambda g: g[0] - g[1])[:listed]
         return IdleProfile(tuple((n, ns / 1e6) for n, ns in classes),
                            tuple(IdleGap((s - start) / 1e6, (e - s) / 1e3, self._ended.get(s, ""),
-                                         self.host_at(s, thread)) for s, e in longest))
+                                         self.host_at(s, thread),
+                                         self.host_at(s, None, skip=thread) if thread is not None else "")
+                                 for s, e in longest))
 
 
 def phase_profiles(events: list[Any]) -> list[PhaseProfile]:
@@ -396,6 +407,14 @@ def render(phases: list[PhaseProfile], table: str, title: str) -> str:
     return "\n".join([*lines, "", *([idle, ""] if idle else []), table, ""])
 
 
+def _host_label(gap: IdleGap) -> str:
+    if gap.host:
+        return gap.host[:HOST_NAME_WIDTH]
+    if gap.elsewhere:
+        return f"(no operator on its thread; another thread in {gap.elsewhere[:HOST_NAME_WIDTH]})"
+    return "(no operator)"
+
+
 def idle_class_names() -> list[str]:
     """The classes of `IDLE_EDGES_NS` as the reports name them: `< 10 us`, `10 us - 100 us`, ..., `>= 1 ms`."""
     edges = [f"{e / 1e3:g} us" if e < 1_000_000 else f"{e / 1e6:g} ms" for e in IDLE_EDGES_NS]
@@ -405,7 +424,8 @@ def idle_class_names() -> list[str]:
 def render_idle(rows: list[tuple[str, PhaseProfile]]) -> str:
     """Where each phase's and part's GPU idled: the gaps between device ops by length (count and ms a class), then
     the longest, each at its start in the window with the host's innermost operator then (what the device waited
-    for: a sync, a launch, a copy; none: Python between operators). Empty where no row has an idle profile."""
+    for: a sync, a launch, a copy; where the phase's thread ran none, what another thread ran). Empty where no row
+    has an idle profile."""
     rows = [(label, p) for label, p in rows if p.idle is not None]
     if not rows:
         return ""
@@ -422,7 +442,7 @@ def render_idle(rows: list[tuple[str, PhaseProfile]]) -> str:
         if p.idle.longest:
             lines.append(f"{label.strip()}:")
             lines += [f"  +{g.offset_ms:.1f} ms {g.length_us:.0f} us after {g.after[:HOST_NAME_WIDTH] or '(none)'}, "
-                      f"host in {g.host[:HOST_NAME_WIDTH] or '(no operator)'}" for g in p.idle.longest]
+                      f"host in {_host_label(g)}" for g in p.idle.longest]
     return "\n".join(lines)
 
 
