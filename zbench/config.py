@@ -635,9 +635,10 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         if taken or (backend == "hf" and (named("rollout.decode_attention") or named("rollout.steps_per_graph"))):
             out["rollout.cuda_graph"] = True
     sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
-    if rollout_engine(sampling, True) == "hf-graph" and sampling.rollout.top_p >= 1.0:
+    engine = rollout_engine(sampling, True)
+    if engine == "hf-graph" and sampling.rollout.top_p >= 1.0:
         out["rollout.steps_per_graph"] = GRAPH_STEPS_PER_GRAPH  # where the loop records its steps and draws in them
-    if rollout_engine(sampling, True) == "vllm" and not named("rollout.gpu_memory_utilization"):
+    if engine == "vllm" and not named("rollout.gpu_memory_utilization"):
         out["rollout.kv_cache_fit"] = True
     if cfg.needs_critic and critic_overlap_faster(cfg.zero.stage, cfg.zero.offload):
         out["trainer.critic_update"] = "overlap"

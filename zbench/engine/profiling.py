@@ -213,9 +213,10 @@ class DeviceTimeline:
         for _, e, name in device:
             self._ended[e] = name
         self._np = np
+        # looked up only beside idle gaps: a profile without device ops (a CPU run) has none to look up for
         self._threads = {t: (np.array([s for s, _, _ in ops], dtype=np.int64),
                              np.array([e for _, e, _ in ops], dtype=np.int64), [n for _, _, n in ops])
-                         for t, ops in spans.items()}
+                         for t, ops in spans.items()} if device else {}
 
     @property
     def span(self) -> tuple[int, int]:
