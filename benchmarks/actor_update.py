@@ -72,7 +72,7 @@ def _batch(cfg: Any, model_path: str, seqs: int, n: int, response_len: int) -> d
 
 def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     from zbench.engine.cluster import free_port
-    from zbench.engine.records import peak_flops, training_flops
+    from zbench.engine.records import attention_width, multiplied_parameters, peak_flops, training_flops
     from zbench.engine.workers import PolicyWorker
 
     cfg = _config(args, overrides)
@@ -98,7 +98,8 @@ def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_pa
     step = statistics.median(times[1:])
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in worker.engine.module.parameters())
     mc = worker.engine.module.config
-    flops = training_flops(params, mc.num_hidden_layers, mc.hidden_size, tokens, batch["attention_mask"].shape[1])
+    flops = training_flops(multiplied_parameters(params, mc), mc.num_hidden_layers, attention_width(mc),
+                           batch["attention_mask"].sum(-1).tolist())
     peak = peak_flops(torch.cuda.get_device_name()) if on_cuda else None
     out = {"variant": name, "set": overrides, "update_s_median": round(step, 4),
            "update_s_all": [round(t, 4) for t in times[1:]], "warmup_s": round(times[0], 2),

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,27 @@ def peak_flops(gpu_name: str | None) -> float | None:
     return None
 
 
-def training_flops(n_params: int, n_layers: int, hidden: int, tokens: int, seq_len: int) -> float:
-    """Forward + backward FLOPs for `tokens` tokens: 6N per token plus attention (12 L H T), as in nanoGPT."""
-    return float(tokens) * (6 * n_params + 12 * n_layers * hidden * seq_len)
+def training_flops(n_params: int, n_layers: int, attention_width: int, lengths: Sequence[int]) -> float:
+    """Model FLOPs of one forward and backward over sequences of these lengths, as PaLM counts them (its appendix B):
+    6N a token for the matrix multiplies of the N parameters (the embedding's too, which a tied head multiplies
+    by), plus the attention's scores and weighted sum, 12 L A T a token of a T-token sequence, where A is the
+    attention's width (heads x head dim, which a model like Qwen3 sets apart from its hidden size) and every token
+    attends the whole sequence (no causal halving). Padding counts nothing."""
+    tokens = sum(lengths)
+    return 6.0 * n_params * tokens + 12.0 * n_layers * attention_width * sum(t * t for t in lengths)
+
+
+def multiplied_parameters(n_params: int, config: Any) -> int:
+    """Of a causal LM's `n_params` parameters, those a token is multiplied by: all but an input embedding that is
+    not tied to the head (looked up, not multiplied)."""
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return n_params if tied else n_params - int(config.vocab_size) * int(config.hidden_size)
+
+
+def attention_width(config: Any) -> int:
+    """Heads x head dim of a transformers config: the width the attention's scores and sums run over."""
+    heads = int(config.num_attention_heads)
+    return heads * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def versions() -> dict[str, str | None]:
