@@ -6,8 +6,9 @@
 - `profile`: one rollout under torch.profiler: GPU kernel time in all and per decode step against the wall time
   (GPU busy near 100 % means the GPU, not the host, sets the pace), and the top kernels.
 
-Every response runs to `--new-tokens` (no EOS is given), as with a random-weight shape preset. One JSON line per
-measurement on stdout. Compare with `benchmarks/vllm_profile.py` at the same rows and tokens:
+With `--stop none` no EOS is given, so every response runs to `--new-tokens`; with `--stop model` the model's pad
+and EOS ids are, as a run passes them (a random-weight shape preset still runs every step: not every row draws
+one). One JSON line per measurement on stdout. Compare with `benchmarks/vllm_profile.py` at the same rows and tokens:
 
     python benchmarks/graph_decode_profile.py --model qwen3-0.6b --batch 32 --width 256 --new-tokens 512
 """
@@ -80,6 +81,12 @@ def main() -> None:
                         help="with the in-graph draw: decode steps captured as one CUDA graph (GraphDecoder's "
                              "steps_per_graph; 1: torch.compile records each step; default: a GPU case's default), "
                              "each measured in turn, on a fresh copy of the model")
+    parser.add_argument("--stop", nargs="+", default=["none"], choices=("none", "model"),
+                        help="the pad and EOS ids the loop is given: none (pad 0, no EOS) or the model's, as a run "
+                             "gives them (each measured in turn, on a fresh copy of the model)")
+    on_off(parser, "--release-cache", "off", "the KV cache given back after each rollout and mapped again before the "
+           "next, as a GPU run's replica does (`rollout.release_kv_cache`), the mapping timed with the rollout; or "
+           "held (off, the default); each measured in turn, on a fresh copy of the model")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap length, "
                              "and the longest gaps, each with the device op it followed and the host's operator as it "
@@ -97,12 +104,13 @@ def main() -> None:
     from zbench.engine import decode_attention
     from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
     from zbench.engine.rollout import GraphDecoder
-    from zbench.models import resolve_model
+    from zbench.models import resolve_model, special_ids
 
     on_cuda = torch.cuda.is_available()  # on a CPU the same loop runs eagerly (a check of this script, not a number)
     device = torch.device("cuda" if on_cuda else "cpu")
     sync = torch.cuda.synchronize if on_cuda else lambda: None
     path = resolve_model(args.model)
+    stops = {"none": (0, []), "model": special_ids(path)}  # (pad id, EOS ids) given to the loop
     # kept on the CPU: each variant decodes with a copy of its own on the device, freed before the next
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_cuda else torch.float32).eval()
     base = {"model": args.model, "new_tokens": args.new_tokens, "top_p": args.top_p, "sync_every": args.sync_every,
@@ -127,9 +135,9 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense, one_grid, pdl, chained in itertools.product(
+    for attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release in itertools.product(
             args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_grid,
-            args.pdl, args.steps_per_graph):
+            args.pdl, args.steps_per_graph, args.stop, args.release_cache):
         samples = args.n if args.data and share == "on" else 1
         joined = attention == "triton" and samples > 1  # else no shared prefix: nothing for ONE_GRID to join
         if not joined and one_grid != args.one_grid[0]:  # so one run, labelled None
@@ -139,19 +147,25 @@ def main() -> None:
         decode_attention.PDL = pdl == "on"  # GraphDecoder compiles Inductor's kernels of the step the same way
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
-                             compile_mode=mode, steps_per_graph=chained)
+                             compile_mode=mode, steps_per_graph=chained, release_cache=release == "on")
+        pad_id, eos_ids = stops[stop]
         for ids, mask in batches:
             batch, width = ids.shape
 
             def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
-                        graph: GraphDecoder = graph, samples: int = samples) -> float:
+                        graph: GraphDecoder = graph, samples: int = samples,
+                        stopped: tuple[int, list[int]] = stops[stop]) -> float:
                 sync()
                 start = time.perf_counter()
                 graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
-                               pad_id=0, eos_ids=[], generator=torch.Generator(device).manual_seed(seed),
+                               pad_id=stopped[0], eos_ids=stopped[1],
+                               generator=torch.Generator(device).manual_seed(seed),
                                samples=samples)
                 sync()
-                return time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                if graph.release_cache:  # as the replica gives it back before training; `generate` maps it again
+                    graph.free_cache()
+                return seconds
 
             if on_cuda:  # the peak from here on: an earlier width of this variant still holds its recording's pool
                 torch.cuda.reset_peak_memory_stats()
@@ -164,7 +178,10 @@ def main() -> None:
                           # as they ran: ONE_GRID where the prefill shared the prompts, PDL where it applies
                           "one_grid": one_grid if graph.shared_prefix[0] > 1 else None, "pdl": pdl,
                           "decode_kernels": graph.decode_kernels, "steps_per_graph": graph.steps_a_graph(args.top_p),
-                          "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum())}
+                          "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum()),
+                          "stop": stop, "eos_ids": eos_ids, "pad_id": pad_id,
+                          # as it ran: given back where the device can (else held, with a warning)
+                          "release_cache": graph.release_cache}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
                                     "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved}),

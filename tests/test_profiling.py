@@ -442,3 +442,27 @@ def test_operator_times_match_torch_key_averages_on_a_real_profile() -> None:
     for name, (calls, self_us) in theirs.items():
         assert ours[name][0] == calls, name
         assert ours[name][1] == pytest.approx(self_us, abs=0.01), name
+
+
+def test_loop_benchmark_runs_as_a_run_would_give_it_its_ids_and_cache() -> None:
+    """`benchmarks/graph_decode_profile.py` on the CPU, tiny model (the loop eager): `--stop model` gives the loop the
+    model's pad and EOS ids, as a run does, `--release-cache on` gives its cache back after each rollout; every
+    combination is one measured variant, and each line says what ran."""
+    import json
+    import subprocess
+    import sys
+
+    from zbench.models import resolve_model, special_ids
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_decode_profile.py"
+    res = subprocess.run([sys.executable, str(bench), "--model", "tiny", "--batch", "4", "--width", "16",
+                          "--new-tokens", "6", "--repeats", "1", "--stop", "none", "model", "--release-cache", "off",
+                          "on"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    ran = [(r["what"], r["stop"], r["pad_id"], r["eos_ids"], r["release_cache"]) for r in rows]
+    pad, eos = special_ids(resolve_model("tiny"))
+    assert eos and ran == [(what, stop, *ids, release)
+                           for stop, ids in (("none", (0, [])), ("model", (pad, eos)))
+                           for release in (False, True) for what in ("generate", "profile")]
+    assert all(r["median_s"] > 0 for r in rows if r["what"] == "generate")
