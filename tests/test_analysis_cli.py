@@ -244,6 +244,16 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     floors.write_text(json.dumps({**oom, "micro": 64, "status": "oom", "error": "x"}) + "\n" + json.dumps(floor) + "\n")
     assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "| 12,345 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    # measured again at a smaller micro-batch in place of the one that ran out of memory: set against, and said so
+    floors.write_text(json.dumps({**oom, "micro": 64, "status": "oom", "error": "x"}) + "\n"
+                      + json.dumps({**floor, "micro": 32, "asked_micro": 64}) + "\n")
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    section = (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    lines = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    zero2 = {cells[0]: dict(zip(lines[0], cells, strict=True)) for cells in lines[1:]}["zero2"]
+    assert zero2["bare DeepSpeed (tok/s/GPU)"] == "12,345"
+    assert zero2["floor shape (seqs × tokens per GPU)"] == "128 × 690, micro 32 (64: out of memory)"
+    assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
     missing = invoke("report", root, "--floors", tmp_path / "nope.jsonl", "--force")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

@@ -49,16 +49,37 @@ def test_a_failing_floor_keeps_the_ones_measured_before_it():
 def test_a_floor_that_runs_out_of_memory_is_recorded_and_the_next_one_tried():
     """Bare DeepSpeed that cannot train a shape (as ZeRO-3 at micro-batch 64 could not on an 80 GB GPU: HF's loss
     upcasts the whole micro-batch's logits) is a result, not the end of the floors: the floor is recorded as `oom`
-    with the allocator's line, a warning names it, the floors after it are tried in fresh processes, and the
-    command succeeds. Here a real allocation fails: 2**45 tokens of ids, more than any address space holds."""
+    with the allocator's line, a warning names it, the same floor is tried again at half the micro-batch (here 2,
+    then 1, noting the micro-batch asked), the floors after it are tried in fresh processes, and the command
+    succeeds. Here a real allocation fails: 2**45 tokens of ids, more than any address space holds."""
     r = _floor("--stage", "1", "--stage", "2", "--seq-len", str(2**45))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [(x["stage"], x["status"]) for x in rows] == [(1, "oom"), (2, "oom")]
+    assert [(x["stage"], x["status"], x["micro"], x["asked_micro"]) for x in rows] == [
+        (1, "oom", 2, None), (1, "oom", 1, 2), (2, "oom", 2, None), (2, "oom", 1, 2)]
     assert all("allocate" in x["error"] and "step_s_median" not in x for x in rows)
     for stage in (1, 2):
-        assert (f"warning: floor (stage {stage}, offload none, head lm, micro 2 x {2**45} tokens) ran out of "
-                "memory: recorded as oom") in r.stderr
+        for micro in (2, 1):
+            assert (f"warning: floor (stage {stage}, offload none, head lm, micro {micro} x {2**45} tokens) ran out "
+                    "of memory: recorded as oom") in r.stderr
+    # asked not to, it tries no smaller micro-batch
+    r = _floor("--stage", "1", "--seq-len", str(2**45), "--no-halve-on-oom")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["status"], x["micro"]) for x in rows] == [("oom", 2)]
+
+
+def test_a_floor_out_of_memory_is_tried_again_at_the_largest_micro_batch_of_at_most_half():
+    from zbench.bench import FloorSpec, halved
+
+    spec = FloorSpec(seqs=12, micro=12)
+    steps = [spec]
+    while (smaller := halved(steps[-1])) is not None:
+        steps.append(smaller)
+    # the same 12 sequences a step, in micro-batches that divide them, each at most half the last
+    assert [(s.micro, s.asked_micro, s.seqs) for s in steps] == [(12, None, 12), (6, 12, 12), (3, 12, 12),
+                                                                  (1, 12, 12)]
+    assert halved(FloorSpec(seqs=10, micro=8)).micro == 2  # 4 and 3 do not divide 10
 
 
 def test_a_bad_combination_is_refused_before_anything_starts():

@@ -21,7 +21,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ class FloorSpec:
     checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only (`model.checkpoint_layers`)
     fused_ops: bool = True  # the engine's lean RMSNorm and SwiGLU (`model.fused_ops`)
     head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
+    # measured at a smaller micro-batch in place of this one, which ran out of memory (`halved`); None: as asked
+    asked_micro: int | None = None
 
 
 HEADS = ("lm", "value")
@@ -184,11 +186,24 @@ class FloorError(RuntimeError):
         self.done = done
 
 
-def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
+def halved(spec: FloorSpec) -> FloorSpec | None:
+    """The floor to measure in place of `spec` once it ran out of memory: the same sequences per optimizer step in
+    micro-batches of at most half the size (the largest that divides them), so twice the accumulation or more, noting
+    the micro-batch first asked; None at a micro-batch of 1."""
+    micro = next((m for m in range(spec.micro // 2, 0, -1) if spec.seqs % m == 0), None)
+    if micro is None:
+        return None
+    return replace(spec, micro=micro, asked_micro=spec.asked_micro or spec.micro)
+
+
+def floors(specs: list[FloorSpec], halve_on_oom: bool = True) -> list[dict[str, Any]]:
     """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, in one
     set of rank processes (they must share the model and world size). A floor that runs out of memory is a result
     (`oom_record`: bare DeepSpeed cannot train that shape here), and the floors after it are measured in fresh
-    processes. Any other failure raises `FloorError`, which carries the results measured before it."""
+    processes; with `halve_on_oom`, first the same floor again at half the micro-batch (`halved`), down to 1, each
+    attempt recorded, since a floor's micro-batch is the case's and bare DeepSpeed's head forms the whole
+    micro-batch's logits in float32 where the engine's never does (ZeRO-3's micro-batch 64 of Qwen3-0.6B: 24.8 GiB).
+    Any other failure raises `FloorError`, which carries the results measured before it."""
     from zbench.config import ZeroConfig
     from zbench.engine.cluster import cpu_threads_per_rank
 
@@ -208,20 +223,24 @@ def floors(specs: list[FloorSpec]) -> list[dict[str, Any]]:
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the spawned ranks as they start
     try:
+        queue = list(specs)  # grows by the halved floors
         results: list[dict[str, Any]] = []
-        while len(results) < len(specs):
+        while len(results) < len(queue):
             try:
-                results += _spawn_floors(specs[len(results):])
+                results += _spawn_floors(queue[len(results):])
             except _RanksFailed as err:
                 results += err.done
-                if len(results) == len(specs):  # every floor finished: the ranks failed as they closed
+                if len(results) == len(queue):  # every floor finished: the ranks failed as they closed
                     raise FloorError(f"the ranks failed after the last floor: {err.reason}", results) from err
-                spec = specs[len(results)]
-                where = (f"floor {len(results) + 1} of {len(specs)} (stage {spec.stage}, offload {spec.offload}, "
+                spec = queue[len(results)]
+                where = (f"floor {len(results) + 1} of {len(queue)} (stage {spec.stage}, offload {spec.offload}, "
                          f"head {spec.head})")
                 if not err.oom:
                     raise FloorError(f"{where} failed: {err.reason}", results) from err
                 results.append(oom_record(spec, err.reason))
+                smaller = halved(spec) if halve_on_oom else None
+                if smaller is not None:
+                    queue.insert(len(results), smaller)
         return results
     finally:
         if saved is None:

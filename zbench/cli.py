@@ -343,10 +343,15 @@ def bench_floor(
         help="A run root: measure the floors of its cases (model, ranks, stage, offload, micro-batch, sequences "
              "per rank and their mean length, both heads for PPO) on this machine, and append them to its "
              "floors.jsonl, which `zbench report` reads.")] = None,
+    halve_on_oom: Annotated[bool, typer.Option(
+        help="A floor that runs out of memory is measured again at half the micro-batch (the same sequences, more "
+             "accumulation), down to 1; each attempt is a line, the smaller floor naming the micro-batch asked "
+             "(asked_micro).")] = True,
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per head,
     stage and offload, measured one after another in the same processes. A floor that runs out of memory is a
-    line with "status": "oom" and a warning; the floors after it are still measured."""
+    line with "status": "oom" and a warning, then (--halve-on-oom) the same floor at half the micro-batch; the
+    floors after it are still measured."""
     from zbench.bench import FloorError, FloorSpec, floors, specs_like
 
     out = None
@@ -374,7 +379,7 @@ def bench_floor(
             groups.setdefault((spec.model, spec.world_size), []).append(spec)
         for group in groups.values():
             try:
-                results = floors(group)
+                results = floors(group, halve_on_oom=halve_on_oom)
             except FloorError as err:
                 _emit(err.done, out)  # what finished before the failure is still printed and kept
                 fail(str(err))
@@ -395,6 +400,10 @@ def _emit(results: list[dict], out: Path | None) -> None:
             err_console.print(f"warning: floor (stage {result['stage']}, offload {result['offload']}, head "
                               f"{result['head']}, micro {result['micro']} x {result['seq_len']} tokens) ran out of "
                               f"memory: recorded as oom: {result['error']}", markup=False, highlight=False)
+        elif result.get("asked_micro"):
+            err_console.print(f"note: floor (stage {result['stage']}, offload {result['offload']}, head "
+                              f"{result['head']}) measured at micro {result['micro']} in place of micro "
+                              f"{result['asked_micro']}, which ran out of memory", markup=False, highlight=False)
     if out is not None and results:
         with out.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in results))

@@ -183,7 +183,7 @@ def read_floors(path: Path, warnings: list[str]) -> list[dict]:
                 oom = floor.get("status") == "oom"
                 floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len")},
                                "tokens_per_s_per_gpu": None if oom else float(floor["tokens_per_s_per_gpu"]),
-                               "oom": oom, "micro": floor.get("micro"),
+                               "oom": oom, "micro": floor.get("micro"), "asked_micro": floor.get("asked_micro"),
                                "head": floor.get("head", "lm"), "fused_ops": bool(floor.get("fused_ops", False))})
             except (json.JSONDecodeError, KeyError, TypeError):
                 if line.strip():
@@ -219,7 +219,7 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                                                                           f["tokens_per_s_per_gpu"] or 0.0))}
         if "lm" in match:
             row["bare DeepSpeed (tok/s/GPU)"] = _floor_rate(match["lm"])
-            row["floor shape (seqs × tokens per GPU)"] = f"{match['lm']['seqs']} × {match['lm']['seq_len']}"
+            row["floor shape (seqs × tokens per GPU)"] = _floor_shape(match["lm"])
         if "value" in match and "update_critic (tok/s/GPU)" in row:
             row["bare DeepSpeed, value head (tok/s/GPU)"] = _floor_rate(match["value"])
         # the critic is set against a floor of its own model where one was measured, else against the LM's
@@ -229,6 +229,15 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                 row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _floor_shape(floor: dict) -> str:
+    """A floor's sequences and tokens per GPU, and its micro-batch where it was measured in place of a larger one
+    that ran out of memory (`zbench.bench.halved`)."""
+    shape = f"{floor['seqs']} × {floor['seq_len']}"
+    if floor.get("asked_micro") and not floor["oom"]:
+        shape += f", micro {floor['micro']} ({floor['asked_micro']}: out of memory)"
+    return shape
 
 
 def _floor_rate(floor: dict) -> float | str:
