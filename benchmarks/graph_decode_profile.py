@@ -4,7 +4,8 @@
 - `generate`: median and spread of `--repeats` timed rollouts after one warm-up (the warm-up compiles and records
   the decode step for this batch and cache length; its time is reported as `first_s`);
 - `profile`: one rollout under torch.profiler: GPU kernel time in all and per decode step against the wall time
-  (GPU busy near 100 % means the GPU, not the host, sets the pace), and the top kernels.
+  (GPU busy near 100 % means the GPU, not the host, sets the pace), the top kernels and the host's top operators
+  by self time (what launching the step's graphs cost the host).
 
 With `--stop none` no EOS is given, so every response runs to `--new-tokens`; with `--stop model` the model's pad
 and EOS ids are, as a run passes them (a random-weight shape preset still runs every step: not every row draws
@@ -189,10 +190,11 @@ def main() -> None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 wall = rollout(99)
-            kernel_s, top = kernel_table(prof, args.top)
+            kernel_s, top, host = kernel_table(prof, args.top)
             extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
-                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top} | extra),
+                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top,
+                                    "host_top": host} | extra),
                   flush=True)
         # the next variant starts clean: its own compilations (dynamo's recompile limit counts per code object,
         # which every GraphDecoder shares) and none of this one's memory

@@ -89,15 +89,18 @@ def _barrier(where: str, parties: int, timeout_s: float = 600.0) -> float:
     return time.perf_counter() - t0
 
 
-def kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[dict[str, Any]]]:
-    """Total GPU kernel time (s) and the `top` kernels by their total time: the GPU's own events only, since a CPU
-    operator's row (`aten::mm`) repeats the time of the kernels it launched (`zbench.engine.profiling.operator_times`,
-    seconds where torch's `key_averages` takes most of a minute for a rollout's 200,000 kernels)."""
+def kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Total GPU kernel time (s), the `top` kernels by their total time, and the `top` CPU operators by self time
+    (what the host spent launching: `cudaGraphLaunch`, `Command Buffer Full` where the launch queue was full). The
+    kernels are the GPU's own events only, since a CPU operator's row (`aten::mm`) repeats the time of the kernels it
+    launched (`zbench.engine.profiling.operator_times`, seconds where torch's `key_averages` takes most of a minute
+    for a rollout's 200,000 kernels)."""
     from zbench.engine.profiling import operator_times
 
-    device, _cpu = operator_times(list(prof.profiler.kineto_results.events()))
+    device, cpu = operator_times(list(prof.profiler.kineto_results.events()))
     rows = [{"kernel": o.name[:90], "calls": o.calls, "total_ms": round(o.ns / 1e6, 2)} for o in device if o.ns > 0]
-    return sum(o.ns for o in device) / 1e9, rows[:top]
+    host = [{"op": o.name[:90], "calls": o.calls, "self_ms": round(o.ns / 1e6, 2)} for o in cpu if o.ns > 0]
+    return sum(o.ns for o in device) / 1e9, rows[:top], host[:top]
 
 
 def step_prompts(args: argparse.Namespace) -> tuple[Any, str, torch.Tensor, torch.Tensor, int, list[int]]:
@@ -237,7 +240,7 @@ def main() -> int:
         seeded(7)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    gpu_s, kernels = kernel_table(prof, 12)
+    gpu_s, kernels, _host = kernel_table(prof, 12)
     seen = bool(kernels)  # the profiler sees no kernel of an engine running in a process of its own
     _emit(variant=name, measure="profile", wall_s=round(wall, 3), gpu_kernel_s=round(gpu_s, 3) if seen else None,
           gpu_busy=round(gpu_s / wall, 3) if seen else None,
