@@ -13,9 +13,10 @@ update runs one epoch of one mini-batch, the old log-probs taken from its own fo
 
 Each variant is `NAME:KEY=VALUE,...` (config keys, as `--set` takes them), timed `--repeats` times after one warm-up.
 One JSON line per variant on stdout: median seconds per update, tokens per second (prompt + response tokens, as
-the report counts them), the update's model FLOP utilisation (as `perf/mfu/actor` counts it: 6 x parameters plus
-attention per token, a checkpointed forward's recomputation not counted, over the GPU's dense bf16 peak), and torch's peak
-allocated / reserved memory over the timed updates. With `--profile-dir`, one profiled update per variant there.
+the report counts them), the update's model FLOP utilisation (as `perf/mfu/actor` counts it,
+`zbench.engine.records.training_flops`: the decoder's 6 x parameters and the attention per token, the head on the
+response tokens, a checkpointed forward's recomputation not counted, over the GPU's dense bf16 peak), and torch's
+peak allocated / reserved memory over the timed updates. With `--profile-dir`, one profiled update per variant there.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _batch(cfg: Any, model_path: str, seqs: int, n: int, response_len: int) -> d
 
 def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     from zbench.engine.cluster import free_port
-    from zbench.engine.records import attention_width, multiplied_parameters, peak_flops, training_flops
+    from zbench.engine.records import peak_flops, training_flops
     from zbench.engine.workers import PolicyWorker
 
     cfg = _config(args, overrides)
@@ -98,8 +99,7 @@ def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_pa
     step = statistics.median(times[1:])
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in worker.engine.module.parameters())
     mc = worker.engine.module.config
-    flops = training_flops(multiplied_parameters(params, mc), mc.num_hidden_layers, attention_width(mc),
-                           batch["attention_mask"].sum(-1).tolist())
+    flops = training_flops(params, mc, batch["attention_mask"].sum(-1).tolist(), int(batch["response_mask"].sum()))
     peak = peak_flops(torch.cuda.get_device_name()) if on_cuda else None
     out = {"variant": name, "set": overrides, "update_s_median": round(step, 4),
            "update_s_all": [round(t, 4) for t in times[1:]], "warmup_s": round(times[0], 2),

@@ -40,25 +40,24 @@ def peak_flops(gpu_name: str | None) -> float | None:
     return None
 
 
-def training_flops(n_params: int, n_layers: int, attention_width: int, lengths: Sequence[int]) -> float:
-    """Model FLOPs of one forward and backward over sequences of these lengths, as PaLM counts them (its appendix B):
-    6N a token for the matrix multiplies of the N parameters (the embedding's too, which a tied head multiplies
-    by), plus the attention's scores and weighted sum, 12 L A T a token of a T-token sequence, where A is the
-    attention's width (heads x head dim, which a model like Qwen3 sets apart from its hidden size) and every token
-    attends the whole sequence (no causal halving). Padding counts nothing."""
-    tokens = sum(lengths)
-    return 6.0 * n_params * tokens + 12.0 * n_layers * attention_width * sum(t * t for t in lengths)
-
-
-def multiplied_parameters(n_params: int, config: Any) -> int:
-    """Of a causal LM's `n_params` parameters, those a token is multiplied by: all but an input embedding that is
-    not tied to the head (looked up, not multiplied)."""
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    return n_params if tied else n_params - int(config.vocab_size) * int(config.hidden_size)
+def training_flops(n_params: int, config: Any, lengths: Sequence[int], head_tokens: int) -> float:
+    """Model FLOPs of one forward and backward of a causal LM (`n_params` parameters, transformers `config`) over
+    sequences of these lengths, counted as PaLM counts them (its appendix B) where the work is needed: 6 a token for
+    each parameter of the decoder's matrix multiplies; 6 a token for each of the head's (vocabulary x hidden) only
+    for the `head_tokens` whose logits the loss needs (an RL update: the responses'; an input embedding is looked
+    up, not multiplied); and the attention's scores and weighted sum, 12 L A T a token of a T-token sequence, where
+    A is the attention's width (heads x head dim, which a model like Qwen3 sets apart from its hidden size) and
+    every token attends the whole sequence (no causal halving). Padding counts nothing."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    vocab_by_hidden = int(text.vocab_size) * int(text.hidden_size)
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    decoder = n_params - vocab_by_hidden * (1 if tied else 2)  # less the embedding and the head (one matrix, tied)
+    return (6.0 * decoder * sum(lengths) + 6.0 * vocab_by_hidden * head_tokens
+            + 12.0 * int(text.num_hidden_layers) * attention_width(text) * sum(t * t for t in lengths))
 
 
 def attention_width(config: Any) -> int:
-    """Heads x head dim of a transformers config: the width the attention's scores and sums run over."""
+    """Heads x head dim of a transformers (text) config: the width the attention's scores and sums run over."""
     heads = int(config.num_attention_heads)
     return heads * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 

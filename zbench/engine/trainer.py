@@ -54,14 +54,7 @@ from zbench.engine.batches import (
 )
 from zbench.engine.faults import maybe_inject
 from zbench.engine.mps import SM_SHARE_ENV, MPSError, MPSServer
-from zbench.engine.records import (
-    Records,
-    attention_width,
-    multiplied_parameters,
-    peak_flops,
-    training_flops,
-    versions,
-)
+from zbench.engine.records import Records, peak_flops, training_flops, versions
 from zbench.engine.reward import compute_score
 from zbench.engine.trackers import Trackers
 from zbench.procs import PROCESS_DIR_ENV, remove_ray_tmpdir, watch_supervisor
@@ -516,10 +509,9 @@ class Trainer:
         # the actor's alone, and no actor MFU is recorded
         alone = not (self.critic and self.cfg.trainer.critic_update == "concurrent")
         if peak and alone and self.timing.get("timing_s/update_actor"):
-            lengths = batch["attention_mask"].sum(-1).tolist() * self.cfg.actor.ppo_epochs
-            flops = training_flops(multiplied_parameters(self.info["params"], self.model_config),
-                                   self.model_config.num_hidden_layers,
-                                   attention_width(self.model_config), lengths)
+            epochs = self.cfg.actor.ppo_epochs
+            flops = epochs * training_flops(self.info["params"], self.model_config,
+                                            batch["attention_mask"].sum(-1).tolist(), int(batch["response_mask"].sum()))
             out["perf/mfu/actor"] = flops / (self.timing["timing_s/update_actor"] * dp * peak)
         return out
 
