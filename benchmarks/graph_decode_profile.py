@@ -104,7 +104,7 @@ def main() -> None:
 
     from zbench.engine import decode_attention
     from zbench.engine.batches import PROMPT_WIDTH_MULTIPLE, aligned
-    from zbench.engine.rollout import GraphDecoder
+    from zbench.engine.rollout import GraphDecoder, response_mask_from
     from zbench.models import resolve_model, special_ids
 
     on_cuda = torch.cuda.is_available()  # on a CPU the same loop runs eagerly (a check of this script, not a number)
@@ -153,19 +153,21 @@ def main() -> None:
         for ids, mask in batches:
             batch, width = ids.shape
 
+            longest = [args.new_tokens]  # the last rollout's longest response: the tokens it decoded
+
             def rollout(seed: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
                         graph: GraphDecoder = graph, samples: int = samples,
-                        stopped: tuple[int, list[int]] = stops[stop]) -> float:
+                        stopped: tuple[int, list[int]] = stops[stop], longest: list[int] = longest) -> float:
                 sync()
                 start = time.perf_counter()
-                graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
-                               pad_id=stopped[0], eos_ids=stopped[1],
-                               generator=torch.Generator(device).manual_seed(seed),
-                               samples=samples)
+                out = graph.generate(ids, mask, max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p,
+                                     pad_id=stopped[0], eos_ids=stopped[1],
+                                     generator=torch.Generator(device).manual_seed(seed), samples=samples)
                 sync()
                 seconds = time.perf_counter() - start
                 if graph.release_cache:  # as the replica gives it back before training; `generate` maps it again
                     graph.free_cache()
+                longest[0] = int(response_mask_from(out, stopped[1], stopped[0]).sum(-1).max())
                 return seconds
 
             if on_cuda:  # the peak from here on: an earlier width of this variant still holds its recording's pool
@@ -193,7 +195,7 @@ def main() -> None:
             kernel_s, top, host = kernel_table(prof, args.top)
             extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
-                                    "kernel_ms_per_token": 1e3 * kernel_s / args.new_tokens, "top": top,
+                                    "tokens": longest[0], "kernel_ms_per_token": 1e3 * kernel_s / longest[0], "top": top,
                                     "host_top": host} | extra),
                   flush=True)
         # the next variant starts clean: its own compilations (dynamo's recompile limit counts per code object,

@@ -99,7 +99,7 @@ def kernel_table(prof: torch.profiler.profile, top: int) -> tuple[float, list[di
 
     device, cpu = operator_times(list(prof.profiler.kineto_results.events()))
     rows = [{"kernel": o.name[:90], "calls": o.calls, "total_ms": round(o.ns / 1e6, 2)} for o in device if o.ns > 0]
-    host = [{"op": o.name[:90], "calls": o.calls, "self_ms": round(o.ns / 1e6, 2)} for o in cpu if o.ns > 0]
+    host = [{"op": o.name[:90], "calls": o.calls, "self_ms": round(o.ns / 1e6, 3)} for o in cpu if o.ns >= 1000]
     return sum(o.ns for o in device) / 1e9, rows[:top], host[:top]
 
 

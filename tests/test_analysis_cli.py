@@ -254,6 +254,12 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     assert zero2["bare DeepSpeed (tok/s/GPU)"] == "12,345"
     assert zero2["floor shape (seqs × tokens per GPU)"] == "128 × 690, micro 32 (64: out of memory)"
     assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
+    # out of memory at every micro-batch tried: the one asked is named, and how far down it was tried
+    floors.write_text("".join(json.dumps({**oom, "status": "oom", "error": "x", **micro}) + "\n"
+                              for micro in ({"micro": 64}, {"micro": 32, "asked_micro": 64}, {"micro": 16, "asked_micro": 64})))
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    section = (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    assert "| out of memory at micro 64 and down to 16 |" in section
     missing = invoke("report", root, "--floors", tmp_path / "nope.jsonl", "--force")
     assert missing.exit_code == 2 and "--floors:" in missing.output and "does not exist" in missing.output
 

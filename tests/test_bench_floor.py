@@ -42,7 +42,7 @@ def test_a_failing_floor_keeps_the_ones_measured_before_it():
         pytest.skip("NVMe offload works on this machine: no failing floor to observe")
     assert r.returncode == 2, r.stderr[-3000:]
     assert [(x["stage"], x["offload"]) for x in rows] == [(1, "nvme")]
-    assert "floor 2 of 2 (stage 3, offload nvme, head lm) failed" in r.stderr
+    assert "floor 2 of 2 (stage 3, offload nvme, head lm, micro 2) failed" in r.stderr
     assert "Traceback" not in r.stderr.split("error:")[-1]
 
 
@@ -67,6 +67,18 @@ def test_a_floor_that_runs_out_of_memory_is_recorded_and_the_next_one_tried():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(x["status"], x["micro"]) for x in rows] == [("oom", 2)]
+
+
+def test_a_floor_measured_in_place_of_one_out_of_memory_says_so(capsys):
+    from zbench.cli import _emit
+
+    record = {"stage": 3, "offload": "none", "head": "lm", "micro": 32, "asked_micro": 64, "seq_len": 685,
+              "tokens_per_s_per_gpu": 1.0}
+    _emit([record], None)
+    out, err = capsys.readouterr()
+    assert json.loads(out) == record
+    assert ("note: floor (stage 3, offload none, head lm) measured at micro 32 in place of micro 64, which ran out "
+            "of memory") in " ".join(err.split())
 
 
 def test_a_floor_out_of_memory_is_tried_again_at_the_largest_micro_batch_of_at_most_half():

@@ -466,7 +466,9 @@ def test_loop_benchmark_runs_as_a_run_would_give_it_its_ids_and_cache() -> None:
                            for stop, ids in (("none", (0, [])), ("model", (pad, eos)))
                            for release in (False, True) for what in ("generate", "profile")]
     assert all(r["median_s"] > 0 for r in rows if r["what"] == "generate")
-    # a profile lists the host's operators by self time too (on a CPU, the eager loop's own)
+    # a profile lists the host's operators by self time too (on a CPU, the eager loop's own), and the tokens its
+    # longest response took (with no EOS given, every one)
     for r in (r for r in rows if r["what"] == "profile"):
+        assert 1 <= r["tokens"] <= 6 and (r["tokens"] == 6 or r["stop"] == "model")
         assert r["host_top"] and all(op["self_ms"] > 0 and op["calls"] > 0 for op in r["host_top"])
         assert any(op["op"].startswith("aten::") for op in r["host_top"])

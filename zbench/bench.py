@@ -200,10 +200,12 @@ def floors(specs: list[FloorSpec], halve_on_oom: bool = True) -> list[dict[str, 
     """Median optimizer-step time of bare DeepSpeed and tokens per second per GPU, for each spec in turn, in one
     set of rank processes (they must share the model and world size). A floor that runs out of memory is a result
     (`oom_record`: bare DeepSpeed cannot train that shape here), and the floors after it are measured in fresh
-    processes; with `halve_on_oom`, first the same floor again at half the micro-batch (`halved`), down to 1, each
-    attempt recorded, since a floor's micro-batch is the case's and bare DeepSpeed's head forms the whole
+    processes; with `halve_on_oom`, first the same floor again at a micro-batch of at most half (`halved`), down to
+    1, each attempt recorded, since a floor's micro-batch is the case's and bare DeepSpeed's head forms the whole
     micro-batch's logits in float32 where the engine's never does (ZeRO-3's micro-batch 64 of Qwen3-0.6B: 24.8 GiB).
-    Any other failure raises `FloorError`, which carries the results measured before it."""
+    A floor that ran out of memory after others in the same processes is measured again in fresh ones before it
+    counts (what the others left behind may have been the cause). Any other failure raises `FloorError`, which
+    carries the results measured before it."""
     from zbench.config import ZeroConfig
     from zbench.engine.cluster import cpu_threads_per_rank
 
@@ -224,6 +226,7 @@ def floors(specs: list[FloorSpec], halve_on_oom: bool = True) -> list[dict[str, 
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the spawned ranks as they start
     try:
         queue = list(specs)  # grows by the halved floors
+        asked = list(range(len(specs)))  # the index in `specs` of each floor of the queue
         results: list[dict[str, Any]] = []
         while len(results) < len(queue):
             try:
@@ -233,14 +236,17 @@ def floors(specs: list[FloorSpec], halve_on_oom: bool = True) -> list[dict[str, 
                 if len(results) == len(queue):  # every floor finished: the ranks failed as they closed
                     raise FloorError(f"the ranks failed after the last floor: {err.reason}", results) from err
                 spec = queue[len(results)]
-                where = (f"floor {len(results) + 1} of {len(queue)} (stage {spec.stage}, offload {spec.offload}, "
-                         f"head {spec.head})")
+                where = (f"floor {asked[len(results)] + 1} of {len(specs)} (stage {spec.stage}, offload "
+                         f"{spec.offload}, head {spec.head}, micro {spec.micro})")
                 if not err.oom:
                     raise FloorError(f"{where} failed: {err.reason}", results) from err
+                if err.done:  # not the first in its processes: again in fresh ones, first
+                    continue
                 results.append(oom_record(spec, err.reason))
                 smaller = halved(spec) if halve_on_oom else None
                 if smaller is not None:
                     queue.insert(len(results), smaller)
+                    asked.insert(len(results), asked[len(results) - 1])
         return results
     finally:
         if saved is None:

@@ -344,14 +344,14 @@ def bench_floor(
              "per rank and their mean length, both heads for PPO) on this machine, and append them to its "
              "floors.jsonl, which `zbench report` reads.")] = None,
     halve_on_oom: Annotated[bool, typer.Option(
-        help="A floor that runs out of memory is measured again at half the micro-batch (the same sequences, more "
-             "accumulation), down to 1; each attempt is a line, the smaller floor naming the micro-batch asked "
-             "(asked_micro).")] = True,
+        help="A floor that runs out of memory is measured again at a micro-batch of at most half (the largest that "
+             "divides its sequences, so more accumulation), down to 1; each attempt is a line, the smaller floor "
+             "naming the micro-batch asked (asked_micro).")] = True,
 ) -> None:
     """Bare DeepSpeed training speed on random tokens (the update-phase floor); prints one JSON line per head,
     stage and offload, measured one after another in the same processes. A floor that runs out of memory is a
-    line with "status": "oom" and a warning, then (--halve-on-oom) the same floor at half the micro-batch; the
-    floors after it are still measured."""
+    line with "status": "oom" and a warning, then (--halve-on-oom) the same floor at a micro-batch of at most half;
+    the floors after it are still measured."""
     from zbench.bench import FloorError, FloorSpec, floors, specs_like
 
     out = None

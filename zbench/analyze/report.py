@@ -241,8 +241,13 @@ def _floor_shape(floor: dict) -> str:
 
 
 def _floor_rate(floor: dict) -> float | str:
-    """A floor's tokens per second per GPU, or what stopped it: bare DeepSpeed ran out of memory at that shape."""
-    return f"out of memory at micro {floor['micro']}" if floor["oom"] else floor["tokens_per_s_per_gpu"]
+    """A floor's tokens per second per GPU, or what stopped it: bare DeepSpeed ran out of memory at that shape (at
+    the micro-batch asked and every smaller one tried, down to the one named)."""
+    if not floor["oom"]:
+        return floor["tokens_per_s_per_gpu"]
+    if floor.get("asked_micro"):
+        return f"out of memory at micro {floor['asked_micro']} and down to {floor['micro']}"
+    return f"out of memory at micro {floor['micro']}"
 
 
 def memory_table(run: RunRoot) -> pd.DataFrame:
