@@ -14,6 +14,7 @@ from test_analysis_runroot import SIX_CASES, FakeCase, make_run_root, read_rows,
 from typer.testing import CliRunner
 
 from zbench import cli_analysis
+from zbench.config import load_case_config
 
 app = typer.Typer()
 for fn in (cli_analysis.plot, cli_analysis.report, cli_analysis.compare, cli_analysis.parity,
@@ -254,6 +255,18 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
     assert zero2["bare DeepSpeed (tok/s/GPU)"] == "12,345"
     assert zero2["floor shape (seqs × tokens per GPU)"] == "128 × 690, micro 32 (64: out of memory)"
     assert zero2["actor update: floor ÷ measured"] == f"{12345.0 / actor:.3g}"
+    # of two measured floors, the one of the case's own shape (what `--like` measures: its sequences a rank, its
+    # micro-batch, its mean length) wins over a faster one of another shape, left in the file by an older run
+    cfg = load_case_config(root / "zero2" / "config.yaml")
+    own = {**floor, "seqs": cfg.batch_plan().mini_batch_sequences // 2, "micro": cfg.actor.micro_batch_size_per_gpu,
+           "seq_len": round((m["prompt_length/mean"] + m["response_length/mean"]).mean()), "tokens_per_s_per_gpu": 2222.0}
+    floors.write_text(json.dumps(own) + "\n" + json.dumps({**own, "micro": 1, "tokens_per_s_per_gpu": 99999.0}) + "\n")
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    assert "| 2,222 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    floors.write_text(json.dumps({**own, "seq_len": own["seq_len"] * 2, "tokens_per_s_per_gpu": 99999.0}) + "\n"
+                      + json.dumps(own) + "\n")
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    assert "| 2,222 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     # out of memory at every micro-batch tried: the one asked is named, and how far down it was tried
     floors.write_text("".join(json.dumps({**oom, "status": "oom", "error": "x", **micro}) + "\n"
                               for micro in ({"micro": 64}, {"micro": 32, "asked_micro": 64}, {"micro": 16, "asked_micro": 64})))

@@ -19,6 +19,7 @@ import pandas as pd
 from zbench.analyze.curves import collect_series, render_curves
 from zbench.analyze.frontier import tuning_frontier
 from zbench.analyze.memory import GIB, estimate_case
+from zbench.config import RunConfig
 from zbench.env import REACH_CLUSTER, VERSIONED_PACKAGES
 from zbench.runroot.casedir import atomic_write_bytes, atomic_write_text, read_result
 from zbench.runroot.memory_figures import ALLOCATED, DEVICE, GEN, HOST, RESERVED, TRAIN, MemoryFigure, leading
@@ -212,10 +213,13 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                 row[f"{phase} (tok/s/GPU)"] = (tokens / (seconds * world)).mean()
         fused = cfg.model.fused_ops
         same_stage = [f for f in floors if f["stage"] == cfg.zero.stage and f["offload"] == cfg.zero.offload]
-        # a measured floor wins over one that ran out of memory, one run with the case's own model code
-        # (`model.fused_ops`) over one without; among those, the fastest: a floor is the least time the work takes,
-        # and a slower repeat of it measured the host's noise
-        match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (not f["oom"], f["fused_ops"] == fused,
+        shape = _case_floor_shape(cfg, m)
+        # a measured floor wins over one that ran out of memory, one of the case's own shape (`zbench bench floor
+        # --like`: its sequences, their length and its micro-batch, or measured in place of it) over another, one
+        # run with the case's own model code (`model.fused_ops`) over one without; among those, the fastest: a floor
+        # is the least time the work takes, and a slower repeat of it measured the host's noise
+        match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (not f["oom"], _same_shape(f, shape),
+                                                                          f["fused_ops"] == fused,
                                                                           f["tokens_per_s_per_gpu"] or 0.0))}
         if "lm" in match:
             row["bare DeepSpeed (tok/s/GPU)"] = _floor_rate(match["lm"])
@@ -229,6 +233,29 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
                 row[f"{role} update: floor ÷ measured"] = floor["tokens_per_s_per_gpu"] / rate
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _case_floor_shape(cfg: RunConfig, m: pd.DataFrame) -> dict | None:
+    """The floor shape `zbench bench floor --like` gives a case (`zbench.bench.specs_like`): sequences a rank per
+    optimizer step, their mean length over the steps read, and each head's micro-batch; None without lengths."""
+    if not {"prompt_length/mean", "response_length/mean"} <= set(m.columns):
+        return None
+    lengths = (m["prompt_length/mean"] + m["response_length/mean"]).dropna()
+    if lengths.empty:
+        return None
+    return {"seqs": cfg.batch_plan().mini_batch_sequences // cfg.trainer.world_size, "seq_len": float(lengths.mean()),
+            "micro": {"lm": cfg.actor.micro_batch_size_per_gpu, "value": cfg.critic.micro_batch_size_per_gpu}}
+
+
+def _same_shape(floor: dict, shape: dict | None) -> bool:
+    """Whether a floor was measured at a case's shape (`_case_floor_shape`; None: unknown): its sequences, its
+    head's micro-batch or in place of it, and a length within 2 % of the case's mean (the steps `--like` read may
+    not be the report's)."""
+    if shape is None:
+        return False
+    micro = floor.get("asked_micro") or floor.get("micro")
+    return (floor["seqs"] == shape["seqs"] and micro == shape["micro"].get(floor["head"])
+            and abs(floor["seq_len"] - shape["seq_len"]) <= 0.02 * shape["seq_len"])
 
 
 def _floor_shape(floor: dict) -> str:
