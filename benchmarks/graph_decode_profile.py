@@ -195,8 +195,8 @@ def main() -> None:
             kernel_s, top, host = kernel_table(prof, args.top)
             extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
-                                    "tokens": longest[0], "kernel_ms_per_token": 1e3 * kernel_s / longest[0], "top": top,
-                                    "host_top": host} | extra),
+                                    "tokens": longest[0], "kernel_ms_per_token": 1e3 * kernel_s / longest[0],
+                                    "top": top, "host_top": host} | extra),
                   flush=True)
         # the next variant starts clean: its own compilations (dynamo's recompile limit counts per code object,
         # which every GraphDecoder shares) and none of this one's memory

@@ -346,15 +346,12 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
             notes.append(f"{cdir.name}: left out: no step recorded")
             continue
         seq_len = round(sum(lengths) / len(lengths))
-        world = cfg.trainer.world_size
-        seqs = cfg.batch_plan().mini_batch_sequences // world
+        seqs, heads = cfg.floor_shape()
         budgeted = cfg.model.activation_memory_budget < 1.0  # only compiled layers run below 1
-        heads = [("lm", cfg.actor.micro_batch_size_per_gpu)]
-        if cfg.needs_critic:
-            heads.append(("value", cfg.critic.micro_batch_size_per_gpu))
-        for head, micro in heads:
+        for head, micro in heads.items():
             spec = FloorSpec(model=cfg.model.path, stage=cfg.zero.stage, offload=cfg.zero.offload, seqs=seqs,
-                             seq_len=seq_len, micro=micro, world_size=world, steps=steps, warmup=warmup,
+                             seq_len=seq_len, micro=micro, world_size=cfg.trainer.world_size, steps=steps,
+                             warmup=warmup,
                              gradient_checkpointing=cfg.model.gradient_checkpointing or budgeted,
                              checkpoint_layers=None if budgeted else cfg.model.checkpoint_layers,
                              fused_ops=cfg.model.fused_ops, head=head)

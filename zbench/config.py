@@ -550,6 +550,15 @@ class RunConfig:
                  and not self.algo.use_kl_in_reward)
         return a.recompute_old_log_prob == "always" or not exact
 
+    def floor_shape(self) -> tuple[int, dict[str, int]]:
+        """What a bare-DeepSpeed floor of this case trains (`zbench bench floor --like`, and the report that sets the
+        case against one): sequences a rank per optimizer step, and the micro-batch of each floor head, the actor's
+        causal LM (`lm`) and, with a critic, its value head (`value`)."""
+        heads = {"lm": self.actor.micro_batch_size_per_gpu}
+        if self.needs_critic:
+            heads["value"] = self.critic.micro_batch_size_per_gpu
+        return self.batch_plan().mini_batch_sequences // self.trainer.world_size, heads
+
     def batch_plan(self) -> BatchPlan:
         """Sequences per step, per rank, per mini- and micro-batch; checks that everything divides."""
         t, a, n, dp = self.trainer, self.actor, self.rollout.n, self.trainer.world_size

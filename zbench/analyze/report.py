@@ -236,15 +236,15 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
 
 
 def _case_floor_shape(cfg: RunConfig, m: pd.DataFrame) -> dict | None:
-    """The floor shape `zbench bench floor --like` gives a case (`zbench.bench.specs_like`): sequences a rank per
-    optimizer step, their mean length over the steps read, and each head's micro-batch; None without lengths."""
+    """The floor shape `zbench bench floor --like` gives a case (`RunConfig.floor_shape`, and the sequences' mean
+    length over the steps read); None without lengths."""
     if not {"prompt_length/mean", "response_length/mean"} <= set(m.columns):
         return None
     lengths = (m["prompt_length/mean"] + m["response_length/mean"]).dropna()
     if lengths.empty:
         return None
-    return {"seqs": cfg.batch_plan().mini_batch_sequences // cfg.trainer.world_size, "seq_len": float(lengths.mean()),
-            "micro": {"lm": cfg.actor.micro_batch_size_per_gpu, "value": cfg.critic.micro_batch_size_per_gpu}}
+    seqs, micro = cfg.floor_shape()
+    return {"seqs": seqs, "seq_len": float(lengths.mean()), "micro": micro}
 
 
 def _same_shape(floor: dict, shape: dict | None) -> bool:

@@ -10,7 +10,8 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
   phase lies outside them (`gen/(rest)`); then where each phase's GPU idled (its gaps between device ops by
   length, and the longest, each with the device op it followed and the CPU operator the phase's thread was
   running as it began: a sync, a launch, a copy; where none, Python or a wait that records none, and then what
-  another thread ran, such as autograd's during a backward); then the device ops with the most device time and the CPU operators with the most self time;
+  another thread ran, such as autograd's during a backward); then the device ops with the most device time and the
+  CPU operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
