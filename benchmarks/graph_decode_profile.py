@@ -17,12 +17,17 @@ one). One JSON line per measurement on stdout. Compare with `benchmarks/vllm_pro
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import gc
 import itertools
 import json
+import os
+import re
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from decode_attention_bench import on_off  # this script's folder
@@ -88,6 +93,19 @@ def main() -> None:
     on_off(parser, "--release-cache", "off", "the KV cache given back after each rollout and mapped again before the "
            "next, as a GPU run's replica does (`rollout.release_kv_cache`), the mapping timed with the rollout; or "
            "held (off, the default); each measured in turn, on a fresh copy of the model")
+    parser.add_argument("--beside", nargs="+", default=["none"], choices=BESIDE,
+                        help="what the process holds beside the loop, as a run's actor does, built up in the order "
+                             "given and kept (every variant measured at each): none; dist: a process group of one "
+                             "rank, as DeepSpeed starts one (NCCL on a GPU); engine: also a ZeRO-2 DeepSpeed engine "
+                             "over a copy of the model built as the actor builds it (fused ops, activation "
+                             "checkpointing, decoder layers compiled within an activation budget of 0.05), after two "
+                             "optimizer steps of --train-micro sequences of --train-len tokens")
+    parser.add_argument("--train-micro", type=int, default=32, help="with --beside engine: sequences a micro-batch")
+    parser.add_argument("--train-len", type=int, default=704, help="with --beside engine: tokens a sequence")
+    parser.add_argument("--dump-graph", default="",
+                        help="a folder: each variant's first recorded run of decode steps (the loop's own CUDA graph, "
+                             "--steps-per-graph above 1) written there as Graphviz text (CUDA's debug dump), with "
+                             "its node and edge counts by type in the profile's row")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap length, "
                              "and the longest gaps, each with the device op it followed and the host's operator as it "
@@ -136,9 +154,15 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    for attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release in itertools.product(
-            args.attention, args.merge, args.sampler, args.share, args.compile_mode, args.dense, args.one_grid,
-            args.pdl, args.steps_per_graph, args.stop, args.release_cache):
+    if args.dump_graph and on_cuda:
+        os.makedirs(args.dump_graph, exist_ok=True)
+        torch.cuda.CUDAGraph = DebugGraph  # GraphDecoder records its runs of steps with it from here on
+    held: list[Any] = []  # what --beside built, kept alive
+    for beside, attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release in (
+            itertools.product(args.beside, args.attention, args.merge, args.sampler, args.share, args.compile_mode,
+                              args.dense, args.one_grid, args.pdl, args.steps_per_graph, args.stop,
+                              args.release_cache)):
+        hold(beside, lm, device, held, args.train_micro, args.train_len)
         samples = args.n if args.data and share == "on" else 1
         joined = attention == "triton" and samples > 1  # else no shared prefix: nothing for ONE_GRID to join
         if not joined and one_grid != args.one_grid[0]:  # so one run, labelled None
@@ -184,7 +208,7 @@ def main() -> None:
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum()),
                           "stop": stop, "eos_ids": eos_ids, "pad_id": pad_id,
                           # as it ran: given back where the device can (else held, with a warning)
-                          "release_cache": graph.release_cache}
+                          "release_cache": graph.release_cache, "beside": beside}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
                                     "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved}),
@@ -194,6 +218,9 @@ def main() -> None:
                 wall = rollout(99)
             kernel_s, top, host = kernel_table(prof, args.top)
             extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
+            if args.dump_graph and graph._chains:
+                name = f"{args.dump_graph}/graph-{beside}-{attention}-{pdl}-{stop}-{release}-{batch}x{width}.dot"
+                extra["graph"] = dumped(next(iter(graph._chains.values())), name)
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
                                     "tokens": longest[0], "kernel_ms_per_token": 1e3 * kernel_s / longest[0],
                                     "top": top, "host_top": host} | extra),
@@ -205,6 +232,81 @@ def main() -> None:
         gc.collect()
         if on_cuda:
             torch.cuda.empty_cache()
+
+
+BESIDE = ("none", "dist", "engine")
+
+
+def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, length: int) -> None:
+    """Build what `--beside` names beside the loop, once, keeping it in `held`: `dist` a process group of one rank,
+    `engine` (after the group) a trained ZeRO-2 DeepSpeed engine over a copy of `lm`, built as the actor builds its
+    model (`zbench.engine.workers`)."""
+    import torch.distributed as dist
+
+    if what in ("dist", "engine") and not dist.is_initialized():
+        from zbench.engine.cluster import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port("127.0.0.1")))
+        if device.type != "cuda":
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        ones = torch.ones(1, device=device)
+        dist.all_reduce(ones)  # the communicator exists from here on, as after a run's first collective
+    if what == "engine" and not held:
+        import deepspeed
+
+        from zbench.bench import bare_steps
+        from zbench.config import ZeroConfig, effective_offload
+        from zbench.engine.ds_config import training_config
+        from zbench.engine.fused import fuse
+        from zbench.engine.workers import budgeted_backend
+
+        on_cuda = device.type == "cuda"
+        zero = ZeroConfig(stage=2)
+        config = training_config(zero, effective_offload(2, "none"), micro_batch=micro, grad_accum=1, world_size=1,
+                                 lr=1e-6, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda, on_cuda=on_cuda,
+                                 nvme_path="/tmp/zbench-nvme")
+        model = copy.deepcopy(lm)
+        fuse(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if on_cuda:
+            for layer in model.model.layers:
+                layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        seconds = bare_steps(engine, "lm", micro, length, 1, 2, torch.Generator().manual_seed(0))
+        print(json.dumps({"what": "engine", "micro": micro, "length": length, "step_s": seconds}), flush=True)
+        held.append(engine)
+
+
+class DebugGraph(torch.cuda.CUDAGraph):
+    """A CUDA graph kept after it is instantiated, so that it can be written out (`debug_dump`)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DebugGraph:
+        graph = super().__new__(cls, *args, **kwargs)
+        graph.enable_debug_mode()
+        return graph
+
+
+def dumped(graph: torch.cuda.CUDAGraph, path: str) -> dict[str, Any]:
+    """Write `graph` to `path` (Graphviz text) and count its nodes by kind and its edges by their attributes (a
+    programmatic dependent launch's edge is marked as such: the rest are full dependencies); what failed, if the
+    dump did."""
+    try:
+        graph.debug_dump(path)
+        text = Path(path).read_text()
+    except (RuntimeError, OSError) as err:
+        return {"error": str(err)}
+    kinds = collections.Counter(re.findall(r"\b(KERNEL|MEMCPY|MEMSET|EVENT_RECORD|WAIT_EVENT|HOST|EMPTY|GRAPH)\b", text))
+    edges: collections.Counter[str] = collections.Counter()
+    for line in text.splitlines():
+        if "->" in line:
+            attrs = re.search(r"\[(.*)\]", line)
+            edges[attrs.group(1).strip() if attrs else "plain"] += 1
+    return {"file": os.path.basename(path), "bytes": len(text), "node_words": dict(kinds), "edges": dict(edges)}
 
 
 def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, object]:
