@@ -234,7 +234,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
-BESIDE = ("none", "dist", "engine")
+BESIDE = ("none", "dist", "engine", "eager-engine", "compiled")
 
 
 def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, length: int) -> None:
@@ -243,7 +243,7 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
     model (`zbench.engine.workers`)."""
     import torch.distributed as dist
 
-    if what in ("dist", "engine") and not dist.is_initialized():
+    if what in ("dist", "engine", "eager-engine") and not dist.is_initialized():
         from zbench.engine.cluster import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -255,7 +255,24 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         ones = torch.ones(1, device=device)
         dist.all_reduce(ones)  # the communicator exists from here on, as after a run's first collective
-    if what == "engine" and not held:
+    if what == "compiled" and not held:  # the compiled layers trained by torch alone
+        model = copy.deepcopy(lm).to(device)
+        from zbench.engine.fused import fuse
+        from zbench.engine.workers import budgeted_backend
+
+        fuse(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        for layer in model.model.layers:
+            layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        for _ in range(2):
+            ids = torch.randint(0, lm.config.vocab_size, (micro, length), device=device)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        held.append((model, opt))
+    if what in ("engine", "eager-engine") and not held:
         import deepspeed
 
         from zbench.bench import bare_steps
@@ -273,7 +290,7 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
         fuse(model)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        if on_cuda:
+        if on_cuda and what == "engine":
             for layer in model.model.layers:
                 layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -285,8 +302,8 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
 class DebugGraph(torch.cuda.CUDAGraph):
     """A CUDA graph kept after it is instantiated, so that it can be written out (`debug_dump`)."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> DebugGraph:
-        graph = super().__new__(cls, *args, **kwargs)
+    def __new__(cls, keep_graph: bool = False) -> DebugGraph:
+        graph = super().__new__(cls, keep_graph=True)  # instantiated at its first replay, and kept
         graph.enable_debug_mode()
         return graph
 
