@@ -328,10 +328,18 @@ class ZeroConfig:
     overlap_comm: bool = True  # overlap gradient reduction with backward
     reduce_bucket_size: int = 50_000_000  # elements per gradient reduction bucket
     stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements of parameters fetched ahead
+    # ZeRO-1..3: a mini-batch's micro-batches leave their gradients on the parameters and one reduction pass runs
+    # after the last (DeepSpeed's `engine.coalesce_grad_reduction`), instead of DeepSpeed's per-parameter reduction
+    # hooks at every micro-batch's backward under ZeRO-2/3. Whole gradients are held through the accumulation, not
+    # ZeRO-2/3's partitions, and the reduction no longer overlaps the backward
+    coalesce_grad_reduction: bool = False
 
     def __post_init__(self) -> None:
         _choice("stage", self.stage, (0, 1, 2, 3))
         _choice("offload", self.offload, OFFLOADS)
+        if self.coalesce_grad_reduction and self.stage == 0:
+            raise ConfigError("coalesce_grad_reduction", "DeepSpeed coalesces the reduction of ZeRO-1..3 only; "
+                                                         "stage 0 (DDP) reduces its own way: use false, or stage 1-3")
         if self.stage == 0 and self.offload in ("cpu", "nvme"):
             raise ConfigError(
                 "offload",
