@@ -17,16 +17,13 @@ one). One JSON line per measurement on stdout. Compare with `benchmarks/vllm_pro
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import gc
 import itertools
 import json
 import os
-import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,14 +95,13 @@ def main() -> None:
                              "given and kept (every variant measured at each): none; dist: a process group of one "
                              "rank, as DeepSpeed starts one (NCCL on a GPU); engine: also a ZeRO-2 DeepSpeed engine "
                              "over a copy of the model built as the actor builds it (fused ops, activation "
-                             "checkpointing, decoder layers compiled within an activation budget of 0.05), after two "
-                             "optimizer steps of --train-micro sequences of --train-len tokens")
+                             "checkpointing, on a GPU its decoder layers compiled within an activation budget of "
+                             "0.05), after two optimizer steps of --train-micro sequences of --train-len tokens; "
+                             "eager-engine: the same with its layers not compiled; compiled: the copy's layers "
+                             "compiled as engine's (on a GPU) and trained two steps by torch's AdamW alone, no "
+                             "DeepSpeed. Only the first of engine, eager-engine and compiled that is asked is built")
     parser.add_argument("--train-micro", type=int, default=32, help="with --beside engine: sequences a micro-batch")
     parser.add_argument("--train-len", type=int, default=704, help="with --beside engine: tokens a sequence")
-    parser.add_argument("--dump-graph", default="",
-                        help="a folder: each variant's first recorded run of decode steps (the loop's own CUDA graph, "
-                             "--steps-per-graph above 1) written there as Graphviz text (CUDA's debug dump), with "
-                             "its node and edge counts by type in the profile's row")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap length, "
                              "and the longest gaps, each with the device op it followed and the host's operator as it "
@@ -154,9 +150,6 @@ def main() -> None:
 
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
-    if args.dump_graph and on_cuda:
-        os.makedirs(args.dump_graph, exist_ok=True)
-        torch.cuda.CUDAGraph = DebugGraph  # GraphDecoder records its runs of steps with it from here on
     held: list[Any] = []  # what --beside built, kept alive
     for beside, attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release in (
             itertools.product(args.beside, args.attention, args.merge, args.sampler, args.share, args.compile_mode,
@@ -218,9 +211,6 @@ def main() -> None:
                 wall = rollout(99)
             kernel_s, top, host = kernel_table(prof, args.top)
             extra = {"gaps": idle_gaps(prof)} if args.gaps else {}
-            if args.dump_graph and graph._chains:
-                name = f"{args.dump_graph}/graph-{beside}-{attention}-{pdl}-{stop}-{release}-{batch}x{width}.dot"
-                extra["graph"] = dumped(next(iter(graph._chains.values())), name)
             print(json.dumps(row | {"what": "profile", "wall_s": wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
                                     "tokens": longest[0], "kernel_ms_per_token": 1e3 * kernel_s / longest[0],
                                     "top": top, "host_top": host} | extra),
@@ -238,9 +228,10 @@ BESIDE = ("none", "dist", "engine", "eager-engine", "compiled")
 
 
 def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, length: int) -> None:
-    """Build what `--beside` names beside the loop, once, keeping it in `held`: `dist` a process group of one rank,
+    """Build what `--beside` names beside the loop, once, keeping it in `held`: `dist` a process group of one rank;
     `engine` (after the group) a trained ZeRO-2 DeepSpeed engine over a copy of `lm`, built as the actor builds its
-    model (`zbench.engine.workers`)."""
+    model (`zbench.engine.workers`), `eager-engine` the same with eager layers; `compiled` the copy's compiled layers
+    trained by torch alone. Nothing is built where `held` already holds a model."""
     import torch.distributed as dist
 
     if what in ("dist", "engine", "eager-engine") and not dist.is_initialized():
@@ -256,15 +247,7 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
         ones = torch.ones(1, device=device)
         dist.all_reduce(ones)  # the communicator exists from here on, as after a run's first collective
     if what == "compiled" and not held:  # the compiled layers trained by torch alone
-        model = copy.deepcopy(lm).to(device)
-        from zbench.engine.fused import fuse
-        from zbench.engine.workers import budgeted_backend
-
-        fuse(model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        for layer in model.model.layers:
-            layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
+        model = _training_copy(lm, device, compiled=True).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for _ in range(2):
             ids = torch.randint(0, lm.config.vocab_size, (micro, length), device=device)
@@ -278,52 +261,32 @@ def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, 
         from zbench.bench import bare_steps
         from zbench.config import ZeroConfig, effective_offload
         from zbench.engine.ds_config import training_config
-        from zbench.engine.fused import fuse
-        from zbench.engine.workers import budgeted_backend
 
         on_cuda = device.type == "cuda"
-        zero = ZeroConfig(stage=2)
-        config = training_config(zero, effective_offload(2, "none"), micro_batch=micro, grad_accum=1, world_size=1,
-                                 lr=1e-6, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda, on_cuda=on_cuda,
-                                 nvme_path="/tmp/zbench-nvme")
-        model = copy.deepcopy(lm)
-        fuse(model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        if on_cuda and what == "engine":
-            for layer in model.model.layers:
-                layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
+        config = training_config(ZeroConfig(stage=2), effective_offload(2, "none"), micro_batch=micro, grad_accum=1,
+                                 world_size=1, lr=1e-6, weight_decay=0.0, grad_clip=1.0, bf16=on_cuda,
+                                 on_cuda=on_cuda, nvme_path="")
+        model = _training_copy(lm, device, compiled=what == "engine")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         seconds = bare_steps(engine, "lm", micro, length, 1, 2, torch.Generator().manual_seed(0))
-        print(json.dumps({"what": "engine", "micro": micro, "length": length, "step_s": seconds}), flush=True)
+        print(json.dumps({"what": what, "micro": micro, "length": length, "step_s": seconds}), flush=True)
         held.append(engine)
 
 
-class DebugGraph(torch.cuda.CUDAGraph):
-    """A CUDA graph kept after it is instantiated, so that it can be written out (`debug_dump`)."""
+def _training_copy(lm: Any, device: torch.device, compiled: bool) -> Any:
+    """A copy of `lm` set up as the actor sets up its model: fused ops, activation checkpointing, and with `compiled`
+    on CUDA (where the actor compiles them) its decoder layers compiled within an activation budget of 0.05."""
+    from zbench.engine.fused import fuse
+    from zbench.engine.workers import budgeted_backend
 
-    def __new__(cls, keep_graph: bool = False) -> DebugGraph:
-        graph = super().__new__(cls, keep_graph=True)  # instantiated at its first replay, and kept
-        graph.enable_debug_mode()
-        return graph
-
-
-def dumped(graph: torch.cuda.CUDAGraph, path: str) -> dict[str, Any]:
-    """Write `graph` to `path` (Graphviz text) and count its nodes by kind and its edges by their attributes (a
-    programmatic dependent launch's edge is marked as such: the rest are full dependencies); what failed, if the
-    dump did."""
-    try:
-        graph.debug_dump(path)
-        text = Path(path).read_text()
-    except (RuntimeError, OSError) as err:
-        return {"error": str(err)}
-    kinds = collections.Counter(re.findall(r"\b(KERNEL|MEMCPY|MEMSET|EVENT_RECORD|WAIT_EVENT|HOST|EMPTY|GRAPH)\b", text))
-    edges: collections.Counter[str] = collections.Counter()
-    for line in text.splitlines():
-        if "->" in line:
-            attrs = re.search(r"\[(.*)\]", line)
-            edges[attrs.group(1).strip() if attrs else "plain"] += 1
-    return {"file": os.path.basename(path), "bytes": len(text), "node_words": dict(kinds), "edges": dict(edges)}
+    model = copy.deepcopy(lm)
+    fuse(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if compiled and device.type == "cuda":
+        for layer in model.model.layers:
+            layer.compile(dynamic=True, backend=budgeted_backend("inductor", 0.05))
+    return model
 
 
 def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, object]:

@@ -472,3 +472,23 @@ def test_loop_benchmark_runs_as_a_run_would_give_it_its_ids_and_cache() -> None:
         assert 1 <= r["tokens"] <= 6 and (r["tokens"] == 6 or r["stop"] == "model")
         assert r["host_top"] and all(op["self_ms"] > 0 and op["calls"] > 0 for op in r["host_top"])
         assert any(op["op"].startswith("aten::") for op in r["host_top"])
+
+
+def test_loop_benchmark_builds_what_a_run_holds_beside_the_loop() -> None:
+    """`--beside none dist engine` on the CPU (tiny model, the loop eager): each variant is measured again once the
+    process holds a one-rank process group, then a trained ZeRO-2 DeepSpeed engine, and each line says which."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_decode_profile.py"
+    res = subprocess.run([sys.executable, str(bench), "--model", "tiny", "--batch", "4", "--width", "16",
+                          "--new-tokens", "6", "--repeats", "1", "--beside", "none", "dist", "engine",
+                          "--train-micro", "2", "--train-len", "32"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert [(r["what"], r.get("beside")) for r in rows] == [
+        ("generate", "none"), ("profile", "none"), ("generate", "dist"), ("profile", "dist"),
+        ("engine", None), ("generate", "engine"), ("profile", "engine")]
+    engine = rows[4]
+    assert engine["micro"] == 2 and engine["length"] == 32 and len(engine["step_s"]) == 2
