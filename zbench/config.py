@@ -964,6 +964,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"rollout.release_kv_cache": False},  # the graph loop held its KV cache through training
     {"model.activation_memory_budget": 1.0},  # compiled layers kept what the compiler chose
     {"rollout.steps_per_graph": 1},  # the graph loop replayed one recorded step a token
+    {"zero.coalesce_grad_reduction": False},  # DeepSpeed's hooks reduced each micro-batch's gradients
 )
 
 
