@@ -99,14 +99,22 @@ def main() -> None:
                              "0.05), after two optimizer steps of --train-micro sequences of --train-len tokens; "
                              "eager-engine: the same with its layers not compiled; compiled: the copy's layers "
                              "compiled as engine's (on a GPU) and trained two steps by torch's AdamW alone, no "
-                             "DeepSpeed. Only the first of engine, eager-engine and compiled that is asked is built")
-    parser.add_argument("--train-micro", type=int, default=32, help="with --beside engine: sequences a micro-batch")
-    parser.add_argument("--train-len", type=int, default=704, help="with --beside engine: tokens a sequence")
+                             "DeepSpeed. Each at most once, in that order, with one of engine, eager-engine and compiled at most. "
+                             "Dynamo is reset between variants: a held model's compiled layers keep their code only "
+                             "through the first variant measured beside them")
+    parser.add_argument("--train-micro", type=int, default=32, help="with --beside engine, eager-engine or compiled: "
+                                                                       "sequences a micro-batch")
+    parser.add_argument("--train-len", type=int, default=704, help="with --beside engine, eager-engine or compiled: "
+                                                                    "tokens a sequence")
     parser.add_argument("--gaps", action="store_true",
                         help="with each profile, where the GPU idles between kernels: the idle time by gap length, "
                              "and the longest gaps, each with the device op it followed and the host's operator as it "
                              "began")
     args = parser.parse_args()
+    held_models = [b for b in args.beside if b in ("engine", "eager-engine", "compiled")]
+    if [BESIDE.index(b) for b in args.beside] != sorted({BESIDE.index(b) for b in args.beside}) or len(held_models) > 1:
+        parser.error(f"--beside {' '.join(args.beside)}: each at most once, in the order {', '.join(BESIDE[:2])}, then "
+                     "one of engine, eager-engine, compiled (each is built on what came before it, and kept)")
     if "on" in args.pdl and not inductor_has_pdl():
         parser.error(f"--pdl on: torch {torch.__version__}'s Inductor has no `triton.enable_pdl`")
     if min(args.steps_per_graph) < 1:

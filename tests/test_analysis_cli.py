@@ -225,6 +225,13 @@ def test_report_sets_training_phases_against_bare_deepspeed_floors(tmp_path):
         {**floor, "fused_ops": True, "tokens_per_s_per_gpu": 11111.0}, {**floor, "fused_ops": False})))
     assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
     assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
+    # likewise one run with the case's own gradient reduction (these cases: per micro-batch, `coalesce` false; a
+    # floor recorded before the field reads as false) over a faster coalesced one
+    floors.write_text("".join(json.dumps(f) + "\n" for f in (
+        {**floor, "fused_ops": True, "tokens_per_s_per_gpu": 11111.0},
+        {**floor, "fused_ops": True, "coalesce": True, "tokens_per_s_per_gpu": 22222.0})))
+    assert invoke("report", root, "--floors", floors, "--force").exit_code == 0
+    assert "| 11,111 |" in (root / "report.md").read_text().split("## Training phases")[1].split("## Memory")[0]
     # repeats of one floor: the fastest is the floor, whichever came last
     floors.write_text("".join(json.dumps({**floor, "fused_ops": True, "tokens_per_s_per_gpu": rate}) + "\n"
                               for rate in (11111.0, 13579.0, 12000.0)))

@@ -279,3 +279,21 @@ def test_graph_loop_measured_peak_over_vllm_is_its_held_cache_and_replica():
         measured = float(rows[f"{stage}_graph"]["device_memory_used_gb"]) - float(rows[f"{stage}_vllm"]["device_memory_used_gb"])
         replica = estimate_case(graph_cfg, on_cuda=True).replica_bytes
         assert graph.held_kv / 2**30 <= measured <= (graph.held_kv + replica) / 2**30, stage
+
+
+def test_coalesced_reduction_holds_whole_gradients_at_stage_2_and_3():
+    """`zero.coalesce_grad_reduction`: each rank holds the whole bf16 gradients (2 bytes a parameter) through the
+    accumulation beside its partition at stage 2 and 3; stage 1 holds them whole either way. The case estimate
+    reads the key, for the critic too."""
+    n, big = QWEN3_06B.n_params, QWEN3_06B.largest_module_params
+    for stage in (2, 3):
+        plain, coalesced = (model_states(n, big, stage, "none", 4, coalesced=c).gpu for c in (False, True))
+        assert coalesced - plain == 2 * n
+    assert model_states(n, big, 1, "none", 4, coalesced=True) == model_states(n, big, 1, "none", 4)
+    cfg = {"algorithm": "ppo", "model": {"path": "qwen3-0.6b"}, "zero": {"stage": 2},
+           "trainer": {"world_size": 4, "device": "cuda", "train_batch_size": 16},
+           "actor": {"ppo_mini_batch_size": 16, "micro_batch_size_per_gpu": 4},
+           "critic": {"micro_batch_size_per_gpu": 4}}
+    plain = estimate_case(from_dict(cfg))
+    coalesced = estimate_case(from_dict(cfg | {"zero": {"stage": 2, "coalesce_grad_reduction": True}}))
+    assert coalesced.gpu_bytes - plain.gpu_bytes == 2 * (2 * n)  # actor and critic

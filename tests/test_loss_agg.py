@@ -197,8 +197,12 @@ def test_critic_update_does_not_depend_on_micro_batches():
         runs.append((values, worker.update_critic(batch)))
     (values8, stats8), (values1, stats1) = runs
     assert torch.allclose(values1, values8, atol=1e-5) and values8.abs().sum() > 0
-    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
+    for key in ("critic/vf_loss", "critic/grad_norm"):
         assert stats1[key] == pytest.approx(stats8[key], rel=1e-4, abs=1e-6), key
+    # a share of tokens: one whose clipped and unclipped errors nearly tie may fall either way with the values'
+    # last bits, which the micro-batch's width moves (one of these 33 did, with the packages of 2026-11-29)
+    tokens = int(batch["response_mask"].sum())
+    assert abs(stats1["critic/vf_clipfrac"] - stats8["critic/vf_clipfrac"]) <= 1 / tokens + 1e-6
     assert stats8["critic/grad_norm"] > 0
 
 

@@ -45,6 +45,7 @@ class FloorSpec:
     checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only (`model.checkpoint_layers`)
     fused_ops: bool = True  # the engine's lean RMSNorm and SwiGLU (`model.fused_ops`)
     head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
+    coalesce: bool = False  # DeepSpeed's coalesced gradient reduction, as a case asks (`zero.coalesce_grad_reduction`)
     # measured at a smaller micro-batch in place of this one, which ran out of memory (`halved`); None: as asked
     asked_micro: int | None = None
 
@@ -79,25 +80,28 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
 
 
 def bare_steps(engine: Any, head: str, micro: int, seq_len: int, accum: int, steps: int,
-               generator: torch.Generator) -> list[float]:
+               generator: torch.Generator, coalesce: bool = False) -> list[float]:
     """Seconds of each of `steps` optimizer steps of a DeepSpeed `engine` over random tokens, `accum` micro-batches
-    of `micro` x `seq_len` each: the LM loss for head `lm`, a squared value-head output for `value`. Nothing else
-    runs: no mask, no log-prob or RL loss, no statistics."""
+    of `micro` x `seq_len` each: the LM loss for head `lm`, a squared value-head output for `value`; with `coalesce`,
+    the gradients reduced once a step (`zbench.engine.ds_config.accumulated_step`). Nothing else runs: no mask, no
+    log-prob or RL loss, no statistics."""
+    from zbench.engine.ds_config import accumulated_step
+
     on_cuda = torch.device(engine.device).type == "cuda"
     vocab = engine.module.config.vocab_size
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, vocab, (micro, seq_len), generator=generator).to(engine.device)
+        if head == "value":
+            return engine(input_ids=ids, use_cache=False).logits.float().square().mean()
+        return engine(input_ids=ids, labels=ids, use_cache=False).loss
+
     times = []
     for _ in range(steps):
         if on_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(accum):
-            ids = torch.randint(0, vocab, (micro, seq_len), generator=generator).to(engine.device)
-            if head == "value":
-                loss = engine(input_ids=ids, use_cache=False).logits.float().square().mean()
-            else:
-                loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
+        accumulated_step(engine, (loss() for _ in range(accum)), coalesce)
         if on_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -161,7 +165,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     times = bare_steps(engine, spec.head, spec.micro, spec.seq_len, accum, spec.warmup + spec.steps,
-                       torch.Generator().manual_seed(rank))[spec.warmup:]
+                       torch.Generator().manual_seed(rank), spec.coalesce)[spec.warmup:]
     step = statistics.median(times)
     result = {**asdict(spec), "model_class": type(model).__name__, "step_s_median": step, "step_s_all": times,
               "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
@@ -354,7 +358,8 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
                              warmup=warmup,
                              gradient_checkpointing=cfg.model.gradient_checkpointing or budgeted,
                              checkpoint_layers=None if budgeted else cfg.model.checkpoint_layers,
-                             fused_ops=cfg.model.fused_ops, head=head)
+                             fused_ops=cfg.model.fused_ops, head=head,
+                             coalesce=cfg.zero.coalesce_grad_reduction)
             if spec not in specs:
                 specs.append(spec)
     if not specs:

@@ -328,11 +328,12 @@ class ZeroConfig:
     overlap_comm: bool = True  # overlap gradient reduction with backward
     reduce_bucket_size: int = 50_000_000  # elements per gradient reduction bucket
     stage3_prefetch_bucket_size: int = 50_000_000  # ZeRO-3: elements of parameters fetched ahead
-    # ZeRO-1..3: a mini-batch's micro-batches leave their gradients on the parameters and one reduction pass runs
-    # after the last (DeepSpeed's `engine.coalesce_grad_reduction`), instead of DeepSpeed's per-parameter reduction
-    # hooks at every micro-batch's backward under ZeRO-2/3. Whole gradients are held through the accumulation, not
-    # ZeRO-2/3's partitions, and the reduction no longer overlaps the backward (3-5 % slower updates at ZeRO-2 and 3
-    # on one H200, results/reference/h200-beside-20261129)
+    # actor and critic, ZeRO-1..3: a mini-batch's micro-batches leave their gradients on the parameters and one
+    # reduction pass runs after the last (DeepSpeed's `engine.coalesce_grad_reduction`), instead of DeepSpeed's
+    # per-parameter reduction hooks at every micro-batch's backward under ZeRO-2/3 (ZeRO-1 reduces once a step
+    # either way, and only stops overlapping it with the backward). At ZeRO-2/3 each rank holds the whole gradients
+    # on the GPU through the accumulation, besides its partition, offloaded or not; the memory estimates count them.
+    # 3-5 % slower updates at ZeRO-2 and 3 on one H200 (results/reference/h200-beside-20261129)
     coalesce_grad_reduction: bool = False
 
     def __post_init__(self) -> None:

@@ -7,7 +7,8 @@ Bytes per parameter (Rajbhandari et al., "ZeRO", 2020), with Adam:
     fp32             4      4      8
 
 Stage 1 partitions the optimizer states over the data-parallel ranks, stage 2 also the gradients, stage 3
-also the parameters. Offload moves the optimizer states (and at stage 3 the parameters) to CPU or NVMe.
+also the parameters. With `zero.coalesce_grad_reduction` at stage 2 or 3 each rank also holds the whole gradients
+through a mini-batch's accumulation, reduced into its partition only after the last micro-batch. Offload moves the optimizer states (and at stage 3 the parameters) to CPU or NVMe.
 ZeRO-3 gathers one module's parameters at a time; its working set is the largest module (the embedding in
 Qwen3-shaped models), counted with its gradient. On top of the trained actor, each rank keeps a frozen
 reference copy and a rollout replica (full copies at parameter precision; the replica lives on the host when
@@ -54,15 +55,16 @@ class Placement:
 
 
 def model_states(n_params: int, largest_layer: int, stage: int, offload: str, dp: int,
-                 precision: str = "bf16") -> Placement:
-    """Per-rank bytes of parameters, gradients and optimizer states of one model trained with ZeRO."""
+                 precision: str = "bf16", coalesced: bool = False) -> Placement:
+    """Per-rank bytes of parameters, gradients and optimizer states of one model trained with ZeRO; `coalesced`
+    (`zero.coalesce_grad_reduction`): the whole gradients as well as the partition at stage 2 and 3."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero.stage must be 0..3, got {stage}")
     if precision not in BYTES_PER_PARAM:
         raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, got {precision!r}")
     p_b, g_b, o_b = BYTES_PER_PARAM[precision]
     params = n_params * p_b / (dp if stage >= 3 else 1)
-    grads = n_params * g_b / (dp if stage >= 2 else 1)
+    grads = n_params * g_b / (dp if stage >= 2 else 1) + (n_params * g_b if coalesced and stage >= 2 else 0)
     optim = n_params * o_b / (dp if stage >= 1 else 1)
     working = largest_layer * (p_b + g_b) if stage == 3 else 0
     if stage == 0 and offload in ("cpu", "nvme"):
@@ -121,8 +123,9 @@ def estimate_case(cfg: RunConfig, base_dir: Path | None = None, name: str = "",
     stage, offload, dp = cfg.zero.stage, cfg.zero.offload, cfg.trainer.world_size
     precision = cfg.model.precision(cfg.trainer.uses_cuda() if on_cuda is None else on_cuda)
     n, largest = size.n_params, size.largest_module_params
-    actor = model_states(n, largest, stage, offload, dp, precision)
-    critic = model_states(n, largest, stage, offload, dp, precision) if cfg.needs_critic else None
+    coalesced = cfg.zero.coalesce_grad_reduction
+    actor = model_states(n, largest, stage, offload, dp, precision, coalesced)
+    critic = model_states(n, largest, stage, offload, dp, precision, coalesced) if cfg.needs_critic else None
     copy = n * BYTES_PER_PARAM[precision][0]
     eff = effective_offload(stage, offload).label
     return CaseEstimate(

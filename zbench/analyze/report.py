@@ -185,7 +185,8 @@ def read_floors(path: Path, warnings: list[str]) -> list[dict]:
                 floors.append({**{k: floor[k] for k in ("stage", "offload", "seqs", "seq_len")},
                                "tokens_per_s_per_gpu": None if oom else float(floor["tokens_per_s_per_gpu"]),
                                "oom": oom, "micro": floor.get("micro"), "asked_micro": floor.get("asked_micro"),
-                               "head": floor.get("head", "lm"), "fused_ops": bool(floor.get("fused_ops", False))})
+                               "head": floor.get("head", "lm"), "fused_ops": bool(floor.get("fused_ops", False)),
+                               "coalesce": bool(floor.get("coalesce", False))})
             except (json.JSONDecodeError, KeyError, TypeError):
                 if line.strip():
                     warnings.append(f"{path}:{n}: not a `zbench bench floor` record; skipped")
@@ -216,10 +217,13 @@ def phase_throughput(run: RunRoot, spec: dict, floors: list[dict]) -> pd.DataFra
         shape = _case_floor_shape(cfg, m)
         # a measured floor wins over one that ran out of memory, one of the case's own shape (`zbench bench floor
         # --like`: its sequences, their length and its micro-batch, or measured in place of it) over another, one
-        # run with the case's own model code (`model.fused_ops`) over one without; among those, the fastest: a floor
-        # is the least time the work takes, and a slower repeat of it measured the host's noise
+        # run with the case's own model code (`model.fused_ops`) and gradient reduction (`coalesce`) over one
+        # without; among those, the fastest: a floor is the least time the work takes, and a slower repeat of it
+        # measured the host's noise
+        coalesced = cfg.zero.coalesce_grad_reduction
         match = {f["head"]: f for f in sorted(same_stage, key=lambda f: (not f["oom"], _same_shape(f, shape),
                                                                           f["fused_ops"] == fused,
+                                                                          f["coalesce"] == coalesced,
                                                                           f["tokens_per_s_per_gpu"] or 0.0))}
         if "lm" in match:
             row["bare DeepSpeed (tok/s/GPU)"] = _floor_rate(match["lm"])

@@ -1,7 +1,10 @@
-"""DeepSpeed configs built from a case: ZeRO stage, effective offload, precision, optimizer, batch semantics."""
+"""DeepSpeed configs built from a case: ZeRO stage, effective offload, precision, optimizer, batch semantics; and
+the loop of one optimizer step over a mini-batch's micro-batches that drives an engine built from them."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +90,21 @@ def inference_config(zero: ZeroConfig, offload: Offload, *, world_size: int, bf1
         "zero_optimization": section,
         "steps_per_print": 10**9,
     }
+
+
+def accumulated_step(engine: Any, losses: Iterable[Any], coalesce: bool) -> None:
+    """One optimizer step of DeepSpeed `engine` over a mini-batch: the backward of each of `losses` (each computed as
+    it is drawn, so one micro-batch's activations live at a time). As DeepSpeed's usual loop, a `step` after each
+    backward, the optimizer stepping at its accumulation boundary; with `coalesce` (`zero.coalesce_grad_reduction`)
+    every backward inside DeepSpeed's coalesced-reduction block, which reduces the gradients once as it closes, then
+    a `step` for each micro-batch: the first ones only count it, the last reaches the boundary."""
+    count = 0
+    with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+        for loss in losses:
+            engine.backward(loss)
+            count += 1
+            if not coalesce:
+                engine.step()
+    if coalesce:
+        for _ in range(count):
+            engine.step()

@@ -33,6 +33,7 @@ from zbench.engine.batches import (
     token_share_denominator,
 )
 from zbench.engine.cluster import free_port, join_process_group
+from zbench.engine.ds_config import accumulated_step
 from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import PhaseProfile, StepProfiler, phase_rows
 from zbench.engine.records import gpu_memory_in_use_gb
@@ -535,17 +536,10 @@ class _Worker:
                 tokens = int(step_tokens[0]) if step_tokens is not None else int(mini["response_mask"].sum())
                 denom = token_share_denominator(max(tokens, 1), len(micro_batches_), self.world_size)
             minis.append((micro_batches_, order, denom))
-        coalesce = self.cfg.zero.coalesce_grad_reduction
         for _ in range(self.cfg.actor.ppo_epochs):
             for micro_batches_, _order, denom in minis:
-                with self.engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
-                    for mb in micro_batches_:
-                        self.engine.backward(loss_fn(mb, stats, denom))
-                        if not coalesce:
-                            self.engine.step()
-                if coalesce:  # reduced as the block closed; the optimizer steps at DeepSpeed's count's boundary
-                    for _ in micro_batches_:
-                        self.engine.step()
+                accumulated_step(self.engine, (loss_fn(mb, stats, denom) for mb in micro_batches_),
+                                 self.cfg.zero.coalesce_grad_reduction)
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     stats[f"{self.role}/grad_norm"].append(torch.as_tensor(norm, dtype=torch.float32))
