@@ -186,8 +186,9 @@ def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, l
     """Runs of `share` rows with equal keys, values and mask over the first `prefix` positions (GRPO's samples of
     a prompt): the result equals SDPA's, and it reads that part from each run's first row only (garbage in the
     other rows' prefix changes nothing), while past the prefix every row still reads its own. `ONE_GRID` (both
-    ranges in one launch) gives what a launch a range gives, bit for bit in the interpreter: the same slices into
-    the same slots (compiled, a larger tile than a range's own may add in another order)."""
+    ranges in one launch) gives what a launch a range gives, to the last bits: the same slices into the same slots
+    (a larger tile than a range's own may add in another order: compiled, and in the interpreter of the packages
+    of 2026-11-29, Triton 3.9)."""
     monkeypatch.setattr(da, "TRIM", trim)
     monkeypatch.setattr(da, "ONE_GRID", False)
     batch, dim = 2 * share, 32
@@ -210,7 +211,7 @@ def test_a_shared_prefix_is_read_once_a_run(monkeypatch, share, group, prefix, l
     if prefix:  # without the promise, every row reads its own prefix: the garbage shows
         assert da.decode_attention(q, k2, v2, mask, dim ** -0.5).isnan().any()
     monkeypatch.setattr(da, "ONE_GRID", True)
-    assert torch.equal(da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix), got)
+    assert torch.allclose(da.decode_attention(q, k, v, mask, dim ** -0.5, share, prefix), got, atol=1e-6, rtol=1e-6)
 
 
 def test_a_run_is_cut_into_sub_runs_that_fit_a_tile():
