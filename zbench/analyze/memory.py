@@ -8,7 +8,8 @@ Bytes per parameter (Rajbhandari et al., "ZeRO", 2020), with Adam:
 
 Stage 1 partitions the optimizer states over the data-parallel ranks, stage 2 also the gradients, stage 3
 also the parameters. With `zero.coalesce_grad_reduction` at stage 2 or 3 each rank also holds the whole gradients
-through a mini-batch's accumulation, reduced into its partition only after the last micro-batch. Offload moves the optimizer states (and at stage 3 the parameters) to CPU or NVMe.
+through a mini-batch's accumulation, reduced into its partition only after the last micro-batch. Offload moves the
+optimizer states (and at stage 3 the parameters) to CPU or NVMe.
 ZeRO-3 gathers one module's parameters at a time; its working set is the largest module (the embedding in
 Qwen3-shaped models), counted with its gradient. On top of the trained actor, each rank keeps a frozen
 reference copy and a rollout replica (full copies at parameter precision; the replica lives on the host when
