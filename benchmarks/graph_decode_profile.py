@@ -99,9 +99,9 @@ def main() -> None:
                              "0.05), after two optimizer steps of --train-micro sequences of --train-len tokens; "
                              "eager-engine: the same with its layers not compiled; compiled: the copy's layers "
                              "compiled as engine's (on a GPU) and trained two steps by torch's AdamW alone, no "
-                             "DeepSpeed. Each at most once, in that order, with one of engine, eager-engine and compiled at most. "
-                             "Dynamo is reset between variants: a held model's compiled layers keep their code only "
-                             "through the first variant measured beside them")
+                             "DeepSpeed. Each at most once, in that order, with one of engine, eager-engine and "
+                             "compiled at most. Dynamo is reset between variants: a held model's compiled layers keep "
+                             "their code only through the first variant measured beside them")
     parser.add_argument("--train-micro", type=int, default=32, help="with --beside engine, eager-engine or compiled: "
                                                                        "sequences a micro-batch")
     parser.add_argument("--train-len", type=int, default=704, help="with --beside engine, eager-engine or compiled: "
