@@ -16,7 +16,8 @@ One JSON line per variant on stdout: median seconds per update, tokens per secon
 the report counts them), the update's model FLOP utilisation (as `perf/mfu/actor` counts it,
 `zbench.engine.records.training_flops`: the decoder's 6 x parameters and the attention per token, the head on the
 response tokens, a checkpointed forward's recomputation not counted, over the GPU's dense bf16 peak), and torch's
-peak allocated / reserved memory over the timed updates. With `--profile-dir`, one profiled update per variant there.
+peak allocated / reserved memory over the timed updates. With `--profile-dir`, one profiled update per variant and
+`--profiler` there.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def _batch(cfg: Any, model_path: str, seqs: int, n: int, response_len: int) -> d
 
 def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     from zbench.engine.cluster import free_port
+    from zbench.engine.profiling import PhaseProfile
     from zbench.engine.records import peak_flops, training_flops
     from zbench.engine.workers import PolicyWorker
 
@@ -109,12 +111,14 @@ def _measure(name: str, overrides: list[str], args: argparse.Namespace, model_pa
            "torch_peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 2) if on_cuda else None,
            "seqs": args.seqs, "model": args.model,
            "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
-    if args.profile_dir:
-        worker.profiler.start("torch")  # the GPU-busy share per phase, whatever trainer.profiler the variant sets
+    for kind in args.profiler if args.profile_dir else []:  # whatever trainer.profiler the variant sets
+        worker.profiler.start(kind)
         worker.update_actor(batch)
-        phases = worker.profiler.stop(Path(args.profile_dir), name, f"actor update, {name}, {args.model}")
-        out["profile"] = [{"phase": p.phase, "wall_ms": round(p.wall_ms, 1), "busy_share": round(p.busy_share, 3)}
-                          for p in phases]
+        stem = name if kind == "torch" else f"{name}-{kind}"
+        phases = worker.profiler.stop(Path(args.profile_dir), stem, f"actor update, {name}, {args.model}, {kind}")
+        out[f"profile_{kind}"] = [
+            {"phase": p.phase, "wall_ms": round(p.wall_ms, 1)}
+            | ({"busy_share": round(p.busy_share, 3)} if isinstance(p, PhaseProfile) else {}) for p in phases]
     worker.engine.destroy()  # the process group stays for the next variant (DeepSpeed keeps its groups)
     del worker
     _release()
@@ -132,6 +136,8 @@ def _release() -> None:
 
 
 def main() -> int:
+    from zbench.config import PROFILERS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--data", default="synthetic", help="a GSM8K parquet from `zbench data gsm8k`")
@@ -141,6 +147,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...")
     ap.add_argument("--profile-dir", default="")
+    ap.add_argument("--profiler", nargs="+", choices=PROFILERS, default=["torch"],
+                    help="with --profile-dir, one profiled update per variant under each, in this order: torch "
+                         "(`<variant>.txt`: GPU busy and idle, where the GPU waited on the host, the top operators) "
+                         "and python (`<variant>-python.txt`: cProfile, the functions with the most own time)")
     args = ap.parse_args()
     variants = args.variant or ["plain-head:model.fused_head=false", "fused-head:model.fused_head=true"]
 

@@ -301,7 +301,8 @@ def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, obje
     """Where the GPU idled between the profiled rollout's first and last device op: idle seconds and gap counts by gap
     length (`zbench.engine.profiling.IDLE_EDGES_NS`), and the `longest` gaps (microseconds) with the device op each
     followed and the host's operator as it began, which tells a host that cannot keep up every step (many small
-    gaps) from a few stalls (a sync, the prefill's launches)."""
+    gaps) from a few stalls (a sync, the prefill's launches); and the gaps of 10 us or more summed by the host's
+    stack as each began (`waits_ms`: stack, gaps, ms)."""
     timeline = DeviceTimeline(list(prof.profiler.kineto_results.events()))
     if not timeline.ops:  # a CPU run records no device ops
         return {"kernels": 0}
@@ -310,7 +311,8 @@ def idle_gaps(prof: torch.profiler.profile, longest: int = 12) -> dict[str, obje
     return {"kernels": len(timeline.ops), "span_s": (end - start) / 1e9,
             "by_size": {name: {"gaps": n, "idle_s": round(ms / 1e3, 4)}
                         for name, (n, ms) in zip(idle_class_names(), idle.classes, strict=True)},
-            "longest_us": [[round(g.length_us, 1), g.after[:60], g.host[:60]] for g in idle.longest]}
+            "longest_us": [[round(g.length_us, 1), g.after[:60], g.host[:60]] for g in idle.longest],
+            "waits_ms": [[w.host, w.gaps, round(w.ms, 2)] for w in idle.waits]}
 
 
 if __name__ == "__main__":

@@ -203,9 +203,36 @@ def test_idle_gaps_say_how_long_the_device_waited_and_on_what() -> None:
                              _Event("inner", cpu, 2_000, 5_000, thread=3),
                              _Event("handed_over", cpu, 2_500, 4_000, thread=3, end_thread=4)])
     assert nested.host_at(3_000, 3) == "inner" and nested.host_at(6_000, None) == "outer"
+    # the gaps of 10 us or more by the host's stack as each began: the phase's thread, else another's
+    assert [(w.host, w.gaps, w.ms) for w in gen.idle.waits] == [
+        ("aten::item > cudaStreamSynchronize", 1, 2.0), ("cudaGraphLaunch", 1, 0.5),
+        ("aten::mm (another thread)", 1, 0.05), ("(no operator)", 1, 0.01)]
+    assert "gen:\n       2.0       1  aten::item > cudaStreamSynchronize\n" in text
     idle_line = next(line for line in text.splitlines() if line.startswith("gen ") and "2.6" in line)
     assert idle_line.split() == ["gen", "2.6", "1", "0.0", "2", "0.1", "1", "0.5", "1", "2.0"]
     assert "GPU idle" not in render(phase_profiles(events[:1] + events[6:]), "", "t")  # no device: no section
+
+
+def test_waits_on_the_host_add_up_by_its_stack() -> None:
+    """Where a backward's GPU waits on host work: gaps of 10 us or more that began under the same outermost and
+    innermost operators add up, on autograd's thread where the phase's own runs none (it waits in the engine),
+    most idle first; gaps under 10 us (between a launch's kernels) are not counted there."""
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    us = 1_000
+    events = [_Event("zbench/update_actor", cpu, 0, 1_000 * us, thread=1)]
+    at = 0
+    for i in range(6):  # six parameters' gradients: the hook copies each into a bucket, the GPU waits 40 us
+        events += [_Event(f"kernel_{i}", gpu, at, at + 100 * us),
+                   _Event("torch::autograd::AccumulateGrad", cpu, at + 90 * us, at + 150 * us, thread=2),
+                   _Event("aten::copy_", cpu, at + 95 * us, at + 145 * us, thread=2)]
+        at += 140 * us
+    events += [_Event("kernel_end", gpu, at, at + 2 * us), _Event("kernel_tail", gpu, at + 5 * us, 1_000 * us)]
+    [update] = phase_profiles(events)
+    assert update.idle is not None
+    assert update.idle.classes[0] == (1, pytest.approx(0.003))  # the 3 us gap: no wait on the host
+    assert [(w.host, w.gaps, w.ms) for w in update.idle.waits] == [
+        ("torch::autograd::AccumulateGrad > aten::copy_ (another thread)", 6, pytest.approx(0.24))]
+    assert "0.2       6  torch::autograd::AccumulateGrad > aten::copy_ (another thread)" in render([update], "", "t")
 
 
 def test_parts_of_a_phase_follow_it_with_what_lies_outside_them() -> None:

@@ -8,7 +8,9 @@
 #   bash results/reference/gpu.sh tune MATRIX CASES [zbench tune args...]  # each case at its best geometry, then
 #        the tuned matrix run for $TUNED_STEPS steps (default 10), both at the reference config, both packed
 #   bash results/reference/gpu.sh update NAME:KEY=VALUE,...  # the actor update alone, 1-GPU proxy (128 x 512
-#        tokens), one variant per argument, medians of 3, within $UPDATE_BUDGET_S (default 420) -> $OUT/update.jsonl
+#        tokens), one variant per argument, medians of 3, within $UPDATE_BUDGET_S (default 420)
+#        -> $OUT/update${UPDATE_TAG}.jsonl; with UPDATE_PROFILE="torch python" (or one of them) each variant's
+#        profiled updates too -> $OUT/update-profiles${UPDATE_TAG}.tgz (text reports)
 #   bash results/reference/gpu.sh tests [PYTEST ARGS...]      # the GPU-marked tests of the decode loop (test_rollout,
 #        test_race_sampling; pytest from the wheels in .pyt/) on the last GPU, so that with 2 GPUs or more `loop`
 #        can take GPU 0 meanwhile -> $OUT/check-tests.txt, whole, with each failure's assertion; exits as pytest did
@@ -120,9 +122,14 @@ update)
   [ -d /tmp/zbench-gsm8k ] || bash "$0" prep > "$out/prep.log" 2>&1
   while pgrep -f 'FusedAdamBuilder' > /dev/null; do sleep 2; done  # the ops prep compiles in the background
   variants=(); for v in "$@"; do variants+=(--variant "$v"); done
+  prof=(); [ -n "${UPDATE_PROFILE:-}" ] && prof=(--profile-dir /tmp/update-profiles --profiler $UPDATE_PROFILE)
   timeout -s INT "${UPDATE_BUDGET_S:-420}" python3 benchmarks/actor_update.py --model qwen3-0.6b \
     --data /tmp/zbench-gsm8k/train.parquet --seqs 128 --n 4 --response-len 512 --repeats 3 "${variants[@]}" \
-    2>&1 | tee "$out/update.log" | grep '^{' | tee "$out/update.jsonl" | cut -c1-400
+    "${prof[@]}" 2>&1 | tee "$out/update${UPDATE_TAG:-}.log" | grep '^{' | tee "$out/update${UPDATE_TAG:-}.jsonl" \
+    | cut -c1-400
+  if [ -n "${UPDATE_PROFILE:-}" ]; then  # the text reports come back in one file; the traces stay here
+    tar --exclude='*.json.gz' -czf "$out/update-profiles${UPDATE_TAG:-}.tgz" -C /tmp update-profiles
+  fi
   ;;
 loop)
   CUDA_VISIBLE_DEVICES=0 timeout "${LOOP_S:-420}" python3 benchmarks/graph_decode_profile.py --model qwen3-0.6b \

@@ -10,8 +10,10 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
   phase lies outside them (`gen/(rest)`); then where each phase's GPU idled (its gaps between device ops by
   length, and the longest, each with the device op it followed and the CPU operator the phase's thread was
   running as it began: a sync, a launch, a copy; where none, Python or a wait that records none, and then what
-  another thread ran, such as autograd's during a backward); then the device ops with the most device time and the
-  CPU operators with the most self time;
+  another thread ran, such as autograd's during a backward); the idle in gaps of 10 us or more summed by the
+  host's stack as each began (its outermost and innermost operators: which host work the GPU waited on, such as
+  a hook inside autograd's `AccumulateGrad`); then the device ops with the most device time and the CPU operators
+  with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -59,6 +61,7 @@ HOST_NAME_WIDTH = 60  # characters of an operator's name beside an idle gap
 # to 100 us, to 1 ms (a launch or a host step the device waited for), and longer (a sync, a copy to the host, Python)
 IDLE_EDGES_NS = (10_000, 100_000, 1_000_000)
 IDLE_LISTED = 5  # the longest gaps listed per phase, each with what the host was running as it began
+WAITS_LISTED = 8  # per phase, the host stacks under which the most idle of 10 us or more began
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,26 @@ class IdleGap:
 
 
 @dataclass(frozen=True)
+class IdleWait:
+    """The gaps of 10 us or more (past `IDLE_EDGES_NS[0]`, the GPU waiting on the host, not between the kernels of
+    one launch) that began while the host ran one stack: its outermost and innermost CPU operators, on the phase's
+    thread or, where that ran none, on another (autograd's during a backward)."""
+
+    # "outer > inner" (one name where they are one operator), "... (another thread)" where the phase's thread ran
+    # none, "(no operator)" where no thread ran one
+    host: str
+    gaps: int
+    ms: float
+
+
+@dataclass(frozen=True)
 class IdleProfile:
-    """A window's GPU idle time: per class of `IDLE_EDGES_NS` the gaps' count and summed length, and the longest."""
+    """A window's GPU idle time: per class of `IDLE_EDGES_NS` the gaps' count and summed length, the longest, and
+    the gaps of 10 us or more summed by what the host ran as each began (`IdleWait`), most idle first."""
 
     classes: tuple[tuple[int, float], ...]  # (gaps, ms), shortest class first
     longest: tuple[IdleGap, ...]  # longest first
+    waits: tuple[IdleWait, ...] = ()
 
     @property
     def ms(self) -> float:
@@ -217,7 +235,7 @@ class DeviceTimeline:
         # looked up only beside idle gaps: a profile without device ops (a CPU run) has none to look up for
         self._threads = {t: (np.array([s for s, _, _ in ops], dtype=np.int64),
                              np.array([e for _, e, _ in ops], dtype=np.int64), [n for _, _, n in ops])
-                         for t, ops in spans.items()} if device else {}
+                         for t, ops in ((t, sorted(ops)) for t, ops in spans.items())} if device else {}
 
     @property
     def span(self) -> tuple[int, int]:
@@ -228,37 +246,68 @@ class DeviceTimeline:
         """The innermost CPU operator running at `ns` on `thread`, or on any thread (but `skip`) where None: the
         latest to start among those running, of those the first to end; "" where none was (Python between
         operators, a wait that records none, or a thread that records none)."""
+        return self.stack_at(ns, thread, skip=skip)[1]
+
+    def stack_at(self, ns: int, thread: int | None, *, skip: int | None = None) -> tuple[str, str]:
+        """The outermost and innermost CPU operators running at `ns` on one thread: `thread`, or where None the one
+        (but `skip`) whose innermost started latest (`host_at`); ("", "") where none was. The outermost is the
+        earliest to start among those running, of those the last to end."""
+        np = self._np
         best: tuple[int, int] | None = None  # (start, -end) of the innermost so far
-        name = ""
+        stack = ("", "")
         for t, (starts, ends, names) in self._threads.items():
             if (thread is not None and t != thread) or t == skip:
                 continue
-            running = self._np.flatnonzero((starts <= ns) & (ends > ns))
+            began = int(np.searchsorted(starts, ns, side="right"))  # spans are in order of start
+            running = np.flatnonzero(ends[:began] > ns)
             if running.size:
-                latest = running[starts[running] == starts[running].max()]
-                k = int(latest[ends[latest].argmin()])
+                first, last = starts[running].min(), starts[running].max()
+                inner = running[starts[running] == last]
+                k = int(inner[ends[inner].argmin()])
+                outer = running[starts[running] == first]
+                j = int(outer[ends[outer].argmax()])
                 key = (int(starts[k]), -int(ends[k]))
                 if best is None or key > best:
-                    best, name = key, names[k]
-        return name
+                    best, stack = key, (names[j], names[k])
+        return stack
+
+    def wait_label(self, ns: int, thread: int | None) -> str:
+        """What the host ran as a gap began at `ns`, for `IdleWait`: "outer > inner" on `thread`, or where that ran
+        none, on another thread; "(no operator)" where none ran one."""
+        outer, inner = self.stack_at(ns, thread)
+        where = ""
+        if not inner and thread is not None:
+            (outer, inner), where = self.stack_at(ns, None, skip=thread), " (another thread)"
+        if not inner:
+            return "(no operator)"
+        stack = inner[:HOST_NAME_WIDTH] if outer == inner else f"{outer[:HOST_NAME_WIDTH]} > {inner[:HOST_NAME_WIDTH]}"
+        return stack + where
 
     def idle(self, start: int, end: int, thread: int | None, listed: int = IDLE_LISTED,
              busy: list[tuple[int, int]] | None = None) -> IdleProfile:
-        """The gaps of [start, end] in which the device ran nothing, in classes of `IDLE_EDGES_NS`, and the `listed`
-        longest, each with the device op it followed and the host's operator (`host_at` on `thread`) as it began.
-        `busy`: the window's `union_within`, where the caller has it."""
+        """The gaps of [start, end] in which the device ran nothing, in classes of `IDLE_EDGES_NS`; the `listed`
+        longest, each with the device op it followed and the host's operator (`host_at` on `thread`) as it began;
+        and the gaps of 10 us or more summed by the host's stack as each began (`wait_label`), the `WAITS_LISTED`
+        with the most idle. `busy`: the window's `union_within`, where the caller has it."""
         gaps = _between(union_within(self.ops, start, end) if busy is None else busy, start, end)
         classes = [[0, 0] for _ in range(len(IDLE_EDGES_NS) + 1)]
+        waits: dict[str, list[int]] = {}
         for s, e in gaps:
             row = classes[sum(e - s >= edge for edge in IDLE_EDGES_NS)]
             row[0] += 1
             row[1] += e - s
+            if e - s >= IDLE_EDGES_NS[0]:
+                wait = waits.setdefault(self.wait_label(s, thread), [0, 0])
+                wait[0] += 1
+                wait[1] += e - s
         longest = sorted(gaps, key=lambda g: g[0] - g[1])[:listed]
+        ranked = sorted(waits.items(), key=lambda w: (-w[1][1], w[0]))[:WAITS_LISTED]
         return IdleProfile(tuple((n, ns / 1e6) for n, ns in classes),
                            tuple(IdleGap((s - start) / 1e6, (e - s) / 1e3, self._ended.get(s, ""),
                                          self.host_at(s, thread),
                                          self.host_at(s, None, skip=thread) if thread is not None else "")
-                                 for s, e in longest))
+                                 for s, e in longest),
+                           tuple(IdleWait(host, n, ns / 1e6) for host, (n, ns) in ranked))
 
 
 def phase_profiles(events: list[Any]) -> list[PhaseProfile]:
@@ -445,6 +494,14 @@ def render_idle(rows: list[tuple[str, PhaseProfile]]) -> str:
             lines.append(f"{label.strip()}:")
             lines += [f"  +{g.offset_ms:.1f} ms {g.length_us:.0f} us after {g.after[:HOST_NAME_WIDTH] or '(none)'}, "
                       f"host in {_host_label(g)}" for g in p.idle.longest]
+    lines += ["", f"idle in gaps of {IDLE_EDGES_NS[0] / 1e3:g} us or more, by what the host ran as each began "
+                  f"(outermost > innermost operator; another thread's where the phase's ran none), the "
+                  f"{WAITS_LISTED} with the most of each: ms, gaps"]
+    for label, p in rows:
+        assert p.idle is not None
+        if p.idle.waits:
+            lines.append(f"{label.strip()}:")
+            lines += [f"{w.ms:>10.1f}{w.gaps:>8}  {w.host}" for w in p.idle.waits]
     return "\n".join(lines)
 
 
