@@ -335,6 +335,11 @@ class ZeroConfig:
     # on the GPU through the accumulation, besides its partition, offloaded or not; the memory estimates count them.
     # 3-5 % slower updates at ZeRO-2 and 3 on one H200 (results/reference/h200-beside-20261129)
     coalesce_grad_reduction: bool = False
+    # actor and critic, ZeRO-1/2 without optimizer offload: the optimizer step's check for non-finite gradients and
+    # its gradient norm as one multi-tensor reduction each, not a few kernels per parameter
+    # (`zbench.engine.grad_checks`: the same flags and norm); elsewhere, or false, DeepSpeed's own. Each trained
+    # model's record says which ran (`grad_checks`)
+    fused_grad_checks: bool = True
 
     def __post_init__(self) -> None:
         _choice("stage", self.stage, (0, 1, 2, 3))
@@ -966,6 +971,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"model.activation_memory_budget": 1.0},  # compiled layers kept what the compiler chose
     {"rollout.steps_per_graph": 1},  # the graph loop replayed one recorded step a token
     {"zero.coalesce_grad_reduction": False},  # DeepSpeed's hooks reduced each micro-batch's gradients
+    {"zero.fused_grad_checks": False},  # DeepSpeed checked and normed the gradients a tensor at a time
 )
 
 

@@ -273,6 +273,7 @@ class _Worker:
         self.device_peaks: dict[str, float] = {}  # device-wide GB in use, by the phase that was sampled
         self.fused: dict[str, int] = {}  # modules given the lean forward, by kind
         self.compiled_layers = 0  # decoder layers compiled (`model.compile_layers`)
+        self.grad_checks = ""  # what the trained model's optimizer steps check gradients with (`_initialize`)
         self.compile_backend: Any = "inductor"  # what compiles them (`_compile_layers`)
         self.profiler = StepProfiler(self.on_cuda)
         self.gc_clock = GcClock()
@@ -493,10 +494,15 @@ class _Worker:
             self.fused = fuse(model)
 
     def _initialize(self, model: torch.nn.Module, ds_config: dict) -> Any:
+        """A trained model's DeepSpeed engine; with `zero.fused_grad_checks`, its step's gradient checks fused where
+        they apply (`self.grad_checks` says what its steps check with)."""
         import deepspeed
+
+        from zbench.engine.grad_checks import fuse_grad_checks
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                            if p.requires_grad], config=ds_config)
+        self.grad_checks = fuse_grad_checks(engine) if self.cfg.zero.fused_grad_checks else "deepspeed (off)"
         return engine
 
     def _train(self, batch: Batch, micro: int, loss_agg: str,
@@ -638,7 +644,7 @@ class PolicyWorker(_Worker):
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "optimizer": self.optimizer_name(), "backend": self.rollout.backend, "engine": self.rollout.engine,
+                "optimizer": self.optimizer_name(), "grad_checks": self.grad_checks, "backend": self.rollout.backend, "engine": self.rollout.engine,
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
@@ -871,7 +877,8 @@ class CriticWorker(_Worker):
         config.classifier_dropout = 0.0
         model = self._load(AutoModelForTokenClassification, ds_cfg, config=config)
         self.engine = self._initialize(model, ds_cfg)
-        return {"optimizer": self.optimizer_name(), "fused_ops": self.fused, "compiled_layers": self.compiled_layers}
+        return {"optimizer": self.optimizer_name(), "grad_checks": self.grad_checks, "fused_ops": self.fused,
+                "compiled_layers": self.compiled_layers}
 
     def _values(self, mb: Batch) -> torch.Tensor:
         width = mb["responses"].shape[1]
