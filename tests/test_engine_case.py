@@ -79,8 +79,10 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     assert "[ckpt] resumed from step_2" in (part / "train.log").read_text()
     a, b = records(full), records(part)
     assert [r["step"] for r in b] == [1, 2, 3]
-    assert json.loads((part / "result.json").read_text())["resumed_from_step"] == 2
-    assert json.loads((part / "result.json").read_text())["old_log_prob_pass"] is True
+    result = json.loads((part / "result.json").read_text())
+    assert result["resumed_from_step"] == 2 and result["old_log_prob_pass"] is True
+    ds_checks = "deepspeed (no ZeRO-1/2 optimizer: DeepSpeedZeroOptimizer_Stage3)"  # zero.fused_grad_checks
+    assert result["grad_checks"] == result["critic_grad_checks"] == ds_checks
     for ra, rb in zip(a, b, strict=True):
         for key in ra:
             if key.startswith(("timing_s/", "perf/")) or key == "time":
@@ -151,6 +153,7 @@ def test_grpo_raises_the_score(tmp_path: Path) -> None:
     assert result["steps_completed"] == steps and result["rollout_backend"] == "hf"
     assert result["rollout_engine"] == "hf-generate"
     assert result["device"] == "cpu" and result["versions"]["deepspeed"]
+    assert result["grad_checks"] == "fused" and "critic_grad_checks" not in result
 
 
 def test_ppo_raises_the_score(tmp_path: Path) -> None:

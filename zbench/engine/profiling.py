@@ -6,14 +6,14 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
 
 - `step<K>-<role>-rank<R>.txt`: one line per phase (wall time; GPU busy time, the union of the kernels and copies
   running inside the phase's window; how many ran there), each followed by its parts where the code labels them
-  (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/sleep`) and what of the
-  phase lies outside them (`gen/(rest)`); then where each phase's GPU idled (its gaps between device ops by
-  length, and the longest, each with the device op it followed and the CPU operator the phase's thread was
-  running as it began: a sync, a launch, a copy; where none, Python or a wait that records none, and then what
-  another thread ran, such as autograd's during a backward); the idle in gaps of 10 us or more summed by the
-  host's stack as each began (its outermost and innermost operators: which host work the GPU waited on, such as
-  a hook inside autograd's `AccumulateGrad`); then the device ops with the most device time and the CPU operators
-  with the most self time;
+  (`part`: the graph loop's `gen/cache`, `gen/prefill`, `gen/decode`, `gen/to_host`, `gen/memory`, `gen/sleep`; the
+  worker's `gen/record`) and what of the phase lies outside them (`gen/(rest)`); then where each phase's GPU idled
+  (its gaps between device ops by length, and the longest, each with the device op it followed and the CPU operator
+  the phase's thread was running as it began: a sync, a launch, a copy; where none, Python or a wait that records
+  none, and then what another thread ran, such as autograd's during a backward); the idle in gaps of 10 us or more
+  summed by the host's stack as each began (its outermost and innermost operators: which host work the GPU waited
+  on, such as a hook inside autograd's `AccumulateGrad`); then the device ops with the most device time and the CPU
+  operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on

@@ -720,7 +720,8 @@ class HFRollout:
             if releasing.cache_at_fixed_addresses:  # inside the engine's time; 0 at the first rollout
                 self.seconds["wake"] = releasing.wake_seconds
             if self.device.type == "cuda":
-                self.awake_used_gb = gpu_memory_in_use_gb(self.device)
+                with part("gen/memory"):
+                    self.awake_used_gb = gpu_memory_in_use_gb(self.device)
             start = time.perf_counter()
             with part("gen/sleep"):
                 releasing.free_cache()

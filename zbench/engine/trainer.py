@@ -625,6 +625,9 @@ class Trainer:
                 "wall_s": time.time() - self.started, "versions": versions(),
                 "device": "cuda" if self.on_cuda else "cpu", "gpu_name": self.info.get("gpu_name"),
                 "optimizer": self.info.get("optimizer"), "dtype": self.info.get("dtype"),
+                # what the optimizer steps checked gradients with (`zero.fused_grad_checks`): actor, critic
+                "grad_checks": self.info.get("grad_checks"),
+                **({"critic_grad_checks": self.info["critic"].get("grad_checks")} if "critic" in self.info else {}),
                 "params": self.info.get("params"), "resumed_from_step": start_step,
                 "fused_ops": self.info.get("fused_ops"), "compiled_layers": self.info.get("compiled_layers"),
                 "fused_head": self.info.get("fused_head"), "head_loss_in_forward": self.info.get("head_loss_in_forward"),

@@ -36,6 +36,7 @@ from zbench.engine.cluster import free_port, join_process_group
 from zbench.engine.ds_config import accumulated_step
 from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import PhaseProfile, StepProfiler, phase_rows
+from zbench.engine.profiling import part as phase_part  # `part` names a local helper below
 from zbench.engine.records import gpu_memory_in_use_gb
 from zbench.models import special_ids
 from zbench.procs import CARRIED_WARNING, PROCESS_DIR_ENV
@@ -644,7 +645,8 @@ class PolicyWorker(_Worker):
         self.sync_weights()
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return {"params": n_params, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "optimizer": self.optimizer_name(), "grad_checks": self.grad_checks, "backend": self.rollout.backend, "engine": self.rollout.engine,
+                "optimizer": self.optimizer_name(), "grad_checks": self.grad_checks, "backend": self.rollout.backend,
+                "engine": self.rollout.engine,
                 "model_runner": getattr(self.rollout, "model_runner", None),  # vLLM's, where it says which
                 "decode_attention": getattr(self.rollout, "decode_attention", None),  # the hf graph loop's
                 "merged_projections": getattr(self.rollout, "merged_projections", None),  # the hf graph loop's
@@ -719,12 +721,13 @@ class PolicyWorker(_Worker):
             self.rollout.to(self.device)
         seed = self.cfg.seed * 1_000_003 + step * 1_009 + self.rank // self.cfg.rollout.tensor_parallel_size
         out = self.rollout.generate(batch["input_ids"], batch["attention_mask"], seed)
-        # where the phase's time went on this rank: one row per rank, the trainer reports the slowest
-        for part, seconds in self.rollout.seconds.items():
-            out[f"rollout_{part}_s"] = torch.tensor([seconds])
-        if getattr(self.rollout, "shared_rows", None) is not None:  # the graph loop's
-            out["rollout_shared_rows"] = torch.tensor([self.rollout.shared_rows])
-        self.sample_device_memory("gen", getattr(self.rollout, "awake_used_gb", 0.0))
+        with phase_part("gen/record"):
+            # where the phase's time went on this rank: one row per rank, the trainer reports the slowest
+            for name, seconds in self.rollout.seconds.items():
+                out[f"rollout_{name}_s"] = torch.tensor([seconds])
+            if getattr(self.rollout, "shared_rows", None) is not None:  # the graph loop's
+                out["rollout_shared_rows"] = torch.tensor([self.rollout.shared_rows])
+            self.sample_device_memory("gen", getattr(self.rollout, "awake_used_gb", 0.0))
         if self.park_replica:
             self.rollout.to("cpu")
             torch.cuda.empty_cache()
