@@ -309,21 +309,22 @@ def test_profile_step_past_the_last_step_is_refused() -> None:
 
 
 def test_update_benchmark_profiles_its_variant(tmp_path: Path) -> None:
-    """`benchmarks/actor_update.py --profile-dir` (the GPU sessions' update profile) on the CPU, tiny model: one JSON
-    line naming the update phase, and the profile's files."""
+    """`benchmarks/actor_update.py --profile-dir` (the GPU sessions' update profile) on the CPU, tiny model, under
+    both profilers: one JSON line naming the update phase of each, and each profile's files."""
     import json
     import subprocess
     import sys
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "actor_update.py"
     res = subprocess.run([sys.executable, str(bench), "--repeats", "1", "--profile-dir", str(tmp_path),
-                          "--variant", "mb4:actor.micro_batch_size_per_gpu=4"],
+                          "--profiler", "torch", "python", "--variant", "mb4:actor.micro_batch_size_per_gpu=4"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     line = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("{")))
     assert line["variant"] == "mb4" and line["update_s_median"] > 0
-    assert [p["phase"] for p in line["profile"]] == ["update_actor"]
+    assert [p["phase"] for p in line["profile_torch"]] == [p["phase"] for p in line["profile_python"]] == ["update_actor"]
     assert (tmp_path / "mb4.txt").is_file() and (tmp_path / "mb4.json.gz").is_file()
+    assert "phase update_actor: wall" in (tmp_path / "mb4-python.txt").read_text()
 
 
 def _spin(n: int) -> int:

@@ -122,12 +122,13 @@ update)
   [ -d /tmp/zbench-gsm8k ] || bash "$0" prep > "$out/prep.log" 2>&1
   while pgrep -f 'FusedAdamBuilder' > /dev/null; do sleep 2; done  # the ops prep compiles in the background
   variants=(); for v in "$@"; do variants+=(--variant "$v"); done
-  prof=(); [ -n "${UPDATE_PROFILE:-}" ] && prof=(--profile-dir /tmp/update-profiles --profiler $UPDATE_PROFILE)
+  prof=(); rm -rf /tmp/update-profiles  # this call's reports only
+  [ -n "${UPDATE_PROFILE:-}" ] && prof=(--profile-dir /tmp/update-profiles --profiler $UPDATE_PROFILE)
   timeout -s INT "${UPDATE_BUDGET_S:-420}" python3 benchmarks/actor_update.py --model qwen3-0.6b \
     --data /tmp/zbench-gsm8k/train.parquet --seqs 128 --n 4 --response-len 512 --repeats 3 "${variants[@]}" \
     "${prof[@]}" 2>&1 | tee "$out/update${UPDATE_TAG:-}.log" | grep '^{' | tee "$out/update${UPDATE_TAG:-}.jsonl" \
     | cut -c1-400
-  if [ -n "${UPDATE_PROFILE:-}" ]; then  # the text reports come back in one file; the traces stay here
+  if [ -d /tmp/update-profiles ]; then  # the text reports come back in one file; the traces stay here
     tar --exclude='*.json.gz' -czf "$out/update-profiles${UPDATE_TAG:-}.tgz" -C /tmp update-profiles
   fi
   ;;

@@ -7,10 +7,10 @@ gradients twice, one tensor at a time:
   a logical and, a count (`has_overflow_partitioned_grads_serial`);
 - for gradient clipping, the L2 norm: each gradient copied to fp64, then its norm (`get_grad_norm_direct`).
 
-For Qwen3-0.6B's 310 tensors that is some 3,000 launches of kernels that each take a few microseconds, every one
-waiting on Python: on one H200 the GPU idled about 30 ms of a 1.0 s GRPO update in gaps that began under
-`aten::isfinite` alone (results/reference/h200-grad-checks-20261202). Here each check is one `torch._foreach_norm`
-over the same gradients, in fp64 as DeepSpeed's norm is:
+For Qwen3-0.6B's 310 tensors that is some 5,000 device ops of a few microseconds each, every one launched from
+Python: on one H200 the GPU idled 27.5 ms of a 1.0 s GRPO update in gaps that began under `aten::isfinite` alone,
+and fusing the checks made the update 5-8 % faster (results/reference/h200-grad-checks-20261202). Here each check is
+one `torch._foreach_norm` over the same gradients, in fp64 as DeepSpeed's norm is:
 
 - a non-finite value anywhere makes its tensor's L2 norm non-finite, and no finite bf16 or fp16 value can overflow
   a sum of squares in fp64, so "some norm is not finite" is exactly DeepSpeed's test;
@@ -19,10 +19,11 @@ over the same gradients, in fp64 as DeepSpeed's norm is:
   tensor differs.
 
 What stays DeepSpeed's: the cross-rank reductions, loss scaling, skipping a step on overflow, the optimizer. It
-applies where those two methods do what is described above: ZeRO-1/2 without optimizer offload (which checks its
-gradients on the host as it copies them) and without tensor or pipeline parallelism (whose norms count a parameter
-on some ranks only, which zbench never runs). Elsewhere (ZeRO-0 and 3, offload) DeepSpeed's own checks run: ZeRO-3
-already checks its flat gradient buffer in two kernels.
+applies where those two methods do what is described above: DeepSpeed 0.19 (`CHECKED_DEEPSPEED`), its ZeRO-1/2
+optimizer itself (not a subclass), without optimizer offload (which checks its gradients on the host as it copies
+them), without tensor or pipeline parallelism (whose norms count a parameter on some ranks only, which zbench never
+runs), on a device with fp64 norms (in fp32 a finite bf16 value can overflow its own norm). Elsewhere, ZeRO-0 and 3
+included, DeepSpeed's own checks run: ZeRO-3 already checks its flat gradient buffer in two kernels.
 """
 
 from __future__ import annotations
@@ -32,40 +33,38 @@ from typing import Any
 
 import torch
 
+# DeepSpeed releases whose ZeRO-1/2 step was read for the equivalence above: another one keeps its own checks
+CHECKED_DEEPSPEED = ("0.19",)
+
 
 def fuse_grad_checks(engine: Any) -> str:
     """Give `engine`'s ZeRO-1/2 optimizer the fused checks, where they apply (see the module's docstring); returns
     what the engine's steps check with, for the case's record: "fused", or "deepspeed (<why>)"."""
-    try:
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    except ImportError as err:  # pragma: no cover - DeepSpeed is a dependency
-        return f"deepspeed ({err})"
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    release = ".".join(deepspeed.__version__.split(".")[:2])
+    if release not in CHECKED_DEEPSPEED:
+        return f"deepspeed (its {deepspeed.__version__} step was not checked against the fused one)"
     opt = getattr(engine, "optimizer", None)
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
+    if type(opt) is not DeepSpeedZeroOptimizer:  # ZeRO-0 and 3, and subclasses (ZenFlow) with steps of their own
         return f"deepspeed (no ZeRO-1/2 optimizer: {type(opt).__name__})"
     if opt.cpu_offload:
         return "deepspeed (optimizer offload checks its gradients on the host)"
     if getattr(opt, "model_parallel_rank", 0) != 0 or getattr(opt, "mpu", None) is not None:
         return "deepspeed (tensor or pipeline parallel)"
-    missing = [m for m in ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "averaged_gradients",
-                           "bit16_groups", "dp_process_group", "_model_parallel_all_reduce") if not hasattr(opt, m)]
-    if missing:
-        return f"deepspeed (this DeepSpeed's ZeRO-1/2 optimizer has no {', '.join(missing)})"
+    if get_norm_dtype() != torch.float64:  # in fp32 a finite bf16 gradient can overflow its own norm
+        return "deepspeed (the device has no fp64 for the norms)"
     opt.has_overflow_partitioned_grads_serial = types.MethodType(_overflow, opt)
-    opt.get_grad_norm_direct = _bound_norm(opt)
+    opt.get_grad_norm_direct = types.MethodType(_norm, opt)
     return "fused"
 
 
-def _norm_dtype() -> torch.dtype:
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
-    return get_norm_dtype()
-
-
 def tensor_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's L2 norm in DeepSpeed's norm precision (fp64 where the device has it), as one 1-D tensor: one
-    multi-tensor reduction instead of a copy and a norm per tensor."""
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype()))
+    """Each tensor's L2 norm in fp64, as one 1-D tensor: one multi-tensor reduction instead of a copy and a norm
+    per tensor."""
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
 
 
 def _overflow(self: Any) -> torch.Tensor:
@@ -77,25 +76,23 @@ def _overflow(self: Any) -> torch.Tensor:
     return ~torch.isfinite(tensor_norms(grads)).all().reshape(1)
 
 
-def _bound_norm(opt: Any) -> Any:
-    deepspeed_norm = opt.get_grad_norm_direct
+def _norm(self: Any, gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> torch.Tensor:
+    """`get_grad_norm_direct` for the L2 norm (DeepSpeed's own for any other): the partition's gradients but those
+    marked as padding, each tensor's norm in fp64, squared and summed, the sum in fp32 across the data-parallel
+    ranks, its square root, a non-finite result masked as DeepSpeed masks it."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    def get_grad_norm_direct(gradients: list[torch.Tensor], params: list[Any], norm_type: float = 2) -> Any:
-        """`get_grad_norm_direct` for the L2 norm (DeepSpeed's own for any other)."""
-        if float(norm_type) != 2.0:
-            return deepspeed_norm(gradients, params, norm_type)
-        from deepspeed import comm as dist
-        from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
-
-        grads = [g.detach() for g in gradients if not getattr(g, "_zero_padding", False)]
-        if grads:
-            total = tensor_norms(grads).pow(2).sum().float()
-        else:
-            total = torch.tensor(0.0, dtype=torch.float32, device=torch.device(opt.device))
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
-        opt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-        total = total.pow(0.5)
-        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
-        return total
-
-    return get_grad_norm_direct
+    if float(norm_type) != 2.0:
+        return DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
+    grads = [g.detach() for g in gradients if not getattr(g, "_zero_padding", False)]
+    if grads:
+        total = tensor_norms(grads).pow(2).sum().float()
+    else:
+        total = torch.tensor(0.0, dtype=torch.float32, device=torch.device(self.device))
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.pow(0.5)
+    mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    return total

@@ -233,9 +233,14 @@ class DeviceTimeline:
             self._ended[e] = name
         self._np = np
         # looked up only beside idle gaps: a profile without device ops (a CPU run) has none to look up for
-        self._threads = {t: (np.array([s for s, _, _ in ops], dtype=np.int64),
-                             np.array([e for _, e, _ in ops], dtype=np.int64), [n for _, _, n in ops])
-                         for t, ops in ((t, sorted(ops)) for t, ops in spans.items())} if device else {}
+        self._threads: dict[int, tuple[Any, Any, Any, list[str]]] = {}
+        for t, ops in spans.items() if device else ():
+            ops.sort()
+            starts = np.array([s for s, _, _ in ops], dtype=np.int64)
+            ends = np.array([e for _, e, _ in ops], dtype=np.int64)
+            # the latest end among the spans up to each: none before the first whose value passes a moment is running
+            # then, so a lookup scans from there (the operators open at that moment and their earlier children)
+            self._threads[t] = (starts, ends, np.maximum.accumulate(ends), [n for _, _, n in ops])
 
     @property
     def span(self) -> tuple[int, int]:
@@ -255,11 +260,12 @@ class DeviceTimeline:
         np = self._np
         best: tuple[int, int] | None = None  # (start, -end) of the innermost so far
         stack = ("", "")
-        for t, (starts, ends, names) in self._threads.items():
+        for t, (starts, ends, reach, names) in self._threads.items():
             if (thread is not None and t != thread) or t == skip:
                 continue
             began = int(np.searchsorted(starts, ns, side="right"))  # spans are in order of start
-            running = np.flatnonzero(ends[:began] > ns)
+            first = int(np.searchsorted(reach, ns, side="right"))  # every span before it ended by `ns`
+            running = first + np.flatnonzero(ends[first:began] > ns)
             if running.size:
                 first, last = starts[running].min(), starts[running].max()
                 inner = running[starts[running] == last]
@@ -494,9 +500,10 @@ def render_idle(rows: list[tuple[str, PhaseProfile]]) -> str:
             lines.append(f"{label.strip()}:")
             lines += [f"  +{g.offset_ms:.1f} ms {g.length_us:.0f} us after {g.after[:HOST_NAME_WIDTH] or '(none)'}, "
                       f"host in {_host_label(g)}" for g in p.idle.longest]
-    lines += ["", f"idle in gaps of {IDLE_EDGES_NS[0] / 1e3:g} us or more, by what the host ran as each began "
-                  f"(outermost > innermost operator; another thread's where the phase's ran none), the "
-                  f"{WAITS_LISTED} with the most of each: ms, gaps"]
+    if any(p.idle.waits for _, p in rows if p.idle is not None):
+        lines += ["", f"idle in gaps of {IDLE_EDGES_NS[0] / 1e3:g} us or more, by what the host ran as each began "
+                      f"(outermost > innermost operator; another thread's where the phase's ran none), the "
+                      f"{WAITS_LISTED} with the most of each: ms, gaps"]
     for label, p in rows:
         assert p.idle is not None
         if p.idle.waits:
