@@ -183,9 +183,9 @@ def test_zbench_resume_continues_a_case_from_its_checkpoint(tmp_path: Path) -> N
     import time
 
     results = tmp_path / "results"
-    steps = 10  # interrupted at the first checkpoint (step 4), a step or two later at most
+    steps = 6  # interrupted at the first checkpoint (step 2), a step or two later at most
     proc = subprocess.Popen([sys.executable, "-m", "zbench", "run", "grpo-six-case", "--cases", "zero2_no_offload",
-                             "--steps", str(steps), "--set", "trainer.save_freq=4", "--results-dir", str(results)],
+                             "--steps", str(steps), "--set", "trainer.save_freq=2", "--results-dir", str(results)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
     state = None
@@ -206,4 +206,4 @@ def test_zbench_resume_continues_a_case_from_its_checkpoint(tmp_path: Path) -> N
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert "[ckpt] resumed from step_" in (case / "train.log").read_text()
     assert [r["step"] for r in records(case)] == list(range(1, steps + 1))
-    assert json.loads((case / "result.json").read_text())["resumed_from_step"] >= 4
+    assert json.loads((case / "result.json").read_text())["resumed_from_step"] >= 2
