@@ -264,13 +264,12 @@ class DeviceTimeline:
             if (thread is not None and t != thread) or t == skip:
                 continue
             began = int(np.searchsorted(starts, ns, side="right"))  # spans are in order of start
-            first = int(np.searchsorted(reach, ns, side="right"))  # every span before it ended by `ns`
-            running = first + np.flatnonzero(ends[first:began] > ns)
+            open_from = int(np.searchsorted(reach, ns, side="right"))  # every span before it ended by `ns`
+            running = open_from + np.flatnonzero(ends[open_from:began] > ns)
             if running.size:
-                first, last = starts[running].min(), starts[running].max()
-                inner = running[starts[running] == last]
+                inner = running[starts[running] == starts[running].max()]
                 k = int(inner[ends[inner].argmin()])
-                outer = running[starts[running] == first]
+                outer = running[starts[running] == starts[running].min()]
                 j = int(outer[ends[outer].argmax()])
                 key = (int(starts[k]), -int(ends[k]))
                 if best is None or key > best:
