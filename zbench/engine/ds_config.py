@@ -4,11 +4,41 @@ the loop of one optimizer step over a mini-batch's micro-batches that drives an 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from zbench.config import Offload, ZeroConfig
+
+# DeepSpeed's Muon optimizer: its module compiles a function with torch.compile as it is imported
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_deepspeed() -> ModuleType:
+    """`import deepspeed`, its Muon optimizer's module imported first with TorchDynamo off (`TORCHDYNAMO_DISABLE`,
+    read as `torch.compile` decorates), so that its Newton-Schulz function stays a plain function.
+
+    DeepSpeed 0.19 imports that module in every ZeRO engine (its optimizer check, its gradient reduction), and the
+    decoration imports all of Inductor: about 2.4 s of CPU in each worker process, about a quarter of what a small
+    CPU case's workers spend before their first step. zbench never trains with Muon, and where a worker compiles
+    (its layers on CUDA) Inductor loads then, for what it runs."""
+    if MUON_MODULE not in sys.modules:
+        before = os.environ.get("TORCHDYNAMO_DISABLE")
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        try:
+            with contextlib.suppress(ImportError):  # a DeepSpeed without Muon imports nothing of it
+                __import__(MUON_MODULE)
+        finally:
+            if before is None:
+                del os.environ["TORCHDYNAMO_DISABLE"]
+            else:
+                os.environ["TORCHDYNAMO_DISABLE"] = before
+    import deepspeed
+
+    return deepspeed
 
 
 def nvme_folder(zero: ZeroConfig, case_dir: Path) -> str:

@@ -33,7 +33,7 @@ from zbench.engine.batches import (
     token_share_denominator,
 )
 from zbench.engine.cluster import free_port, join_process_group
-from zbench.engine.ds_config import accumulated_step
+from zbench.engine.ds_config import accumulated_step, import_deepspeed
 from zbench.engine.heap import GcClock, freeze_survivors, release_dropped
 from zbench.engine.profiling import PhaseProfile, StepProfiler, phase_rows
 from zbench.engine.profiling import part as phase_part  # `part` names a local helper below
@@ -385,8 +385,7 @@ class _Worker:
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
-        import deepspeed
-
+        deepspeed = import_deepspeed()  # its Muon module first, uncompiled
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         if self.on_cuda:
             torch.cuda.set_device(self.device)
