@@ -25,6 +25,7 @@ from zbench.engine.profiling import (
     phase_rows,
     render,
     render_operators,
+    window_operators,
 )
 
 
@@ -261,6 +262,18 @@ def test_parts_of_a_phase_follow_it_with_what_lies_outside_them() -> None:
     text = render(phase_profiles(events), "", "t").splitlines()
     assert text[3].startswith("gen ") and text[4].startswith("  gen/cache ")
     assert text[7].split() == ["gen/(rest)", "11.0", "3.0", "27%", "–"]
+    # what each window ran: clipped to it, most first; no row for the time outside the parts, none for a window
+    # that ran nothing (gen/cache)
+    events.append(_Event("decode_kernel", gpu, 89 * ms, 91 * ms))  # across decode's end into gen's rest
+    inside = {label: (total, [(o.name, o.calls, o.ns) for o in ops])
+              for label, total, ops in window_operators(events, phase_rows(phase_profiles(events)))}
+    assert inside["gen"] == (82, [("decode_kernel", 2, 69 * ms), ("prefill_kernel", 1, 10 * ms),
+                                  ("late_kernel", 1, 3 * ms)])
+    assert inside["gen/prefill"] == (10, [("prefill_kernel", 1, 10 * ms)])
+    assert inside["gen/decode"] == (68, [("decode_kernel", 2, 68 * ms)])
+    assert set(inside) == {"gen", "gen/prefill", "gen/decode"}
+    report = render(phase_profiles(events), "", "t", events)
+    assert "device ops inside each phase and part" in report and "gen/prefill: 10.0 ms" in report
 
 
 def test_graph_loop_labels_the_parts_of_its_rollout(tiny_loaded, tmp_path: Path) -> None:

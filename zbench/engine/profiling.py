@@ -62,6 +62,7 @@ HOST_NAME_WIDTH = 60  # characters of an operator's name beside an idle gap
 IDLE_EDGES_NS = (10_000, 100_000, 1_000_000)
 IDLE_LISTED = 5  # the longest gaps listed per phase, each with what the host was running as it began
 WAITS_LISTED = 8  # per phase, the host stacks under which the most idle of 10 us or more began
+WINDOW_OPS_LISTED = 8  # per phase and part, the device ops with the most device time inside its window
 
 
 @dataclass(frozen=True)
@@ -434,6 +435,46 @@ def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[Operator
     return ranked(device), ranked(cpu)
 
 
+def window_operators(events: list[Any], rows: list[tuple[str, PhaseProfile]],
+                     top: int = WINDOW_OPS_LISTED) -> list[tuple[str, float, list[OperatorTime]]]:
+    """Per phase and part of `rows` (`phase_rows`; not the time outside the parts, which has no window of its own):
+    its device time in all and the `top` device ops with the most of it, each op's time clipped to the window (what
+    of the whole step's operator table a part, `gen/prefill`, spent where)."""
+    import bisect
+
+    device = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
+                    if e.device_type() != torch.autograd.DeviceType.CPU and not e.is_user_annotation())
+    starts = [s for s, _, _ in device]
+    longest = max((e - s for s, e, _ in device), default=0)
+    out = []
+    for label, p in rows:
+        if p.end_ns <= p.start_ns:
+            continue
+        ops: dict[str, list[int]] = {}
+        for s, e, name in device[bisect.bisect_left(starts, p.start_ns - longest):bisect.bisect_left(starts, p.end_ns)]:
+            ns = min(e, p.end_ns) - max(s, p.start_ns)
+            if ns > 0:
+                row = ops.setdefault(name, [0, 0])
+                row[0] += 1
+                row[1] += ns
+        ranked = sorted((OperatorTime(name, calls, ns) for name, (calls, ns) in ops.items()), key=lambda o: -o.ns)
+        if ranked:
+            out.append((label.strip(), sum(o.ns for o in ranked) / 1e6, ranked[:top]))
+    return out
+
+
+def render_window_operators(listed: list[tuple[str, float, list[OperatorTime]]]) -> str:
+    """`window_operators` as the text report's section: per phase and part, its device time, then its top ops."""
+    if not listed:
+        return ""
+    lines = ["device ops inside each phase and part, by device time inside its window (ops overlapping on streams "
+             f"add up), the {WINDOW_OPS_LISTED} with the most:"]
+    for label, ms, ops in listed:
+        lines.append(f"{label}: {ms:.1f} ms")
+        lines += [f"{o.ns / 1e6:>12.2f}{o.calls:>10}  {o.name[:OPERATOR_NAME_WIDTH]}" for o in ops]
+    return "\n".join(lines)
+
+
 def render_operators(device: list[OperatorTime], cpu: list[OperatorTime], top: int) -> str:
     """The operator tables of the text report: the device's (where it ran any), then the CPU's, `top` rows each."""
     lines = []
@@ -451,16 +492,17 @@ def render_operators(device: list[OperatorTime], cpu: list[OperatorTime], top: i
     return "\n".join(lines)
 
 
-def render(phases: list[PhaseProfile], table: str, title: str) -> str:
-    """The text report: the phase lines (`phase_rows`), the GPU idle inside each (`render_idle`), then the operator
-    tables."""
+def render(phases: list[PhaseProfile], table: str, title: str, events: list[Any] | None = None) -> str:
+    """The text report: the phase lines (`phase_rows`), the GPU idle inside each (`render_idle`), with `events` the
+    device ops inside each (`window_operators`), then the operator tables."""
     rows = phase_rows(phases)
     lines = [title, "", f"{'phase':<28}{'wall ms':>12}{'GPU busy ms':>14}{'busy':>8}{'device ops':>12}"]
     for label, p in rows:
         ops = "–" if p.device_ops is None else p.device_ops
         lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{ops:>12}")
     idle = render_idle(rows)
-    return "\n".join([*lines, "", *([idle, ""] if idle else []), table, ""])
+    inside = render_window_operators(window_operators(events, rows)) if events else ""
+    return "\n".join([*lines, "", *([idle, ""] if idle else []), *([inside, ""] if inside else []), table, ""])
 
 
 def _host_label(gap: IdleGap) -> str:
@@ -584,7 +626,7 @@ class StepProfiler:
         phases = phase_profiles(events)
         table = render_operators(*operator_times(events), OPERATORS_TOP)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{stem}.txt").write_text(render(phases, table, title))
+        (out_dir / f"{stem}.txt").write_text(render(phases, table, title, events))
         trace = out_dir / f"{stem}.json"
         prof.export_chrome_trace(str(trace))
         # level 6, not gzip's default 9: 7x faster on a trace (0.75 against 5.3 s for 129 MB), 7 % larger
