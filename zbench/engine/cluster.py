@@ -101,8 +101,10 @@ def start_ray(case_dir: Path, world_size: int, on_cuda: bool) -> None:
         "address": "local",
         "_node_ip_address": "127.0.0.1",  # stays loopback: see zbench.engine.__main__ (private_ray_env)
         "include_dashboard": False,
-        # no Prometheus endpoints: the dashboard agent's metrics exporter answers anyone who connects
-        "_system_config": {"enable_metrics_collection": False},
+        # no Prometheus endpoints: the dashboard agent's metrics exporter answers anyone who connects. No idle
+        # workers started ahead for the driver: every actor here asks for its own environment (`WorkerGroup`), so
+        # none would ever run one; on a loaded 2-core machine each cost a case about 1.8 s of CPU
+        "_system_config": {"enable_metrics_collection": False, "prestart_worker_first_driver": False},
         "_temp_dir": str(casedir.prepare_ray_tmpdir(tmp)),
         "log_to_driver": True,
         # logical CPUs: two workers per rank (actor + critic) and the controller, whatever the core count
