@@ -185,7 +185,8 @@ def test_zbench_resume_continues_a_case_from_its_checkpoint(tmp_path: Path) -> N
     results = tmp_path / "results"
     steps = 6  # interrupted at the first checkpoint (step 2), a step or two later at most
     proc = subprocess.Popen([sys.executable, "-m", "zbench", "run", "grpo-six-case", "--cases", "zero2_no_offload",
-                             "--steps", str(steps), "--set", "trainer.save_freq=2", "--results-dir", str(results)],
+                             "--steps", str(steps), "--set", "trainer.save_freq=2", "--set", "trainer.world_size=1",
+                             "--results-dir", str(results)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
     state = None

@@ -1,5 +1,6 @@
 """Faults injected into real runs (`--set trainer.fault=KIND@STEP`): one case per kind, through `zbench run` with
-`--retries 1`, on the real engine (tiny model, GRPO, ZeRO-2, two ranks, two steps, the fault at the last).
+`--retries 1`, on the real engine (tiny model, GRPO, ZeRO-2, two steps, the fault at the last; one rank, except for
+the hang, whose rank 0 waits in a barrier for a second one).
 
 Each kind ends as the launcher promises: crash -> failed with the exception line; oom -> oom, not retried;
 hang -> timeout with the stacks of the trainer and its workers in train.log, then completed; worker_exit -> a lost
@@ -25,6 +26,7 @@ STEPS = 2
 # must cover a case's start-up on a loaded machine (Ray's alone took 27 s with three test processes on two cores)
 STEP_TIMEOUT_S = 60
 FAULTS = {"crash": "crash@2", "oom": "oom@2", "hang": "hang@2", "worker_exit": "worker_exit@2"}
+RANKS = {"crash": 1, "oom": 1, "hang": 2, "worker_exit": 1}  # a rank is a worker process to start: CI time
 MATRIX = """description: one case per injected fault
 base:
   algorithm: grpo
@@ -32,7 +34,8 @@ base:
   zero: {stage: 2, offload: none}
 axes:
   fault:
-""" + "".join(f"    {name}: {{trainer.fault: '{spec}'}}\n" for name, spec in FAULTS.items()) + 'name: "{fault}"\n'
+""" + "".join(f"    {name}: {{trainer.fault: '{spec}', trainer.world_size: {RANKS[name]}}}\n"
+             for name, spec in FAULTS.items()) + 'name: "{fault}"\n'
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def leftovers(root: Path) -> list[Path]:
 def test_a_disk_filling_up_mid_run_stops_cleanly_and_resume_finishes(small_fs: Path) -> None:
     harness = subprocess.Popen(
         [*ZBENCH, "run", "grpo-six-case", "--cases", "zero2_no_offload,zero3_no_offload", "--steps", "2",
-         "--retries", "0", "--results-dir", str(small_fs)],
+         "--retries", "0", "--set", "trainer.world_size=1", "--results-dir", str(small_fs)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600

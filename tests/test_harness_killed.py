@@ -56,7 +56,8 @@ def test_sigkilled_harness_takes_its_case_down_and_resume_finishes(tmp_path: Pat
     results = tmp_path / "results"
     harness = subprocess.Popen(
         [*ZBENCH, "run", "grpo-six-case", "--cases", CASE, "--steps", str(STEPS), "--retries", "0",
-         "--set", "trainer.fault=slow@3", "--results-dir", str(results)],  # killed inside the slow step 3
+         "--set", "trainer.fault=slow@3", "--set", "trainer.world_size=1",  # one rank: one worker process to start
+         "--results-dir", str(results)],  # killed inside the slow step 3
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120

@@ -62,10 +62,11 @@ def test_ppo_and_grpo_train_the_real_checkpoint(tmp_path: Path) -> None:
     common = ["--steps", "2", "--seed", "3", "--results-dir", str(tmp_path / "results"), "--retries", "0",
               "--set", f"model.path={NAME}", "--set", f"data.train_files={data}", "--set", "reward.method=flexible",
               "--set", "trainer.train_batch_size=2", "--set", "actor.ppo_mini_batch_size=2",
+              "--set", "trainer.world_size=1",  # one rank: half the processes to start, each loading the model
               "--set", "rollout.max_new_tokens=24", "--set", "rollout.temperature=0.7", "--set", "actor.lr=1e-5"]
-    # one micro-batch per rank and update: PPO's one sequence, GRPO's four (ZeRO-3 gathers the weights once, not 4x)
-    micro = {"six-case": ["--set", "actor.micro_batch_size_per_gpu=1", "--set", "critic.micro_batch_size_per_gpu=1"],
-             "grpo-six-case": ["--set", "actor.micro_batch_size_per_gpu=4"]}
+    # one micro-batch per update: PPO's two sequences, GRPO's eight (ZeRO-3 gathers the weights once, not 8x)
+    micro = {"six-case": ["--set", "actor.micro_batch_size_per_gpu=2", "--set", "critic.micro_batch_size_per_gpu=2"],
+             "grpo-six-case": ["--set", "actor.micro_batch_size_per_gpu=8"]}
     roots = {}
     for matrix, case in (("six-case", "zero2_no_offload"), ("grpo-six-case", "zero3_no_offload")):
         res = zbench("run", matrix, "--cases", case, "--tag", matrix, *common, *micro[matrix])

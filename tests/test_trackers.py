@@ -25,7 +25,9 @@ ALL = ["console", "tensorboard", "wandb", "mlflow"]
 def make_case(root: Path, name: str, logger: list[str]) -> Path:
     case = root / name
     case.mkdir(parents=True)
-    cfg = from_dict({"name": name, "seed": 3, "steps": 2, "zero": {"stage": 2}, "trainer": {"logger": logger}})
+    # one rank: half the worker processes to start (CI time); the trackers live in the trainer's process
+    cfg = from_dict({"name": name, "seed": 3, "steps": 2, "zero": {"stage": 2},
+                     "trainer": {"logger": logger, "world_size": 1}})
     (case / "config.yaml").write_text(dump_yaml(cfg))
     return case
 
@@ -150,7 +152,9 @@ def test_a_tracker_that_cannot_start_never_fails_the_case(tmp_path: Path) -> Non
     (case / "tensorboard").write_text("not a directory\n")
     blocker = tmp_path / "blocker"
     blocker.write_text("")
-    env = base_env(tmp_path) | {"WANDB_MODE": "online", "MLFLOW_TRACKING_URI": (blocker / "mlruns").as_uri()}
+    # MLflow 3 refuses a file store unless asked: asked here, so that it fails on the store itself
+    env = base_env(tmp_path) | {"WANDB_MODE": "online", "MLFLOW_TRACKING_URI": (blocker / "mlruns").as_uri(),
+                                "MLFLOW_ALLOW_FILE_STORE": "true"}
     log = train(case, env)
     for name in ("tensorboard", "wandb", "mlflow"):
         assert f"[zbench] warning: tracker {name} did not start:" in log, log[-4000:]
@@ -160,6 +164,7 @@ def test_a_tracker_that_cannot_start_never_fails_the_case(tmp_path: Path) -> Non
     trackers = json.loads((case / "result.json").read_text())["trackers"]
     assert {name: t["ok"] for name, t in trackers.items()} == {"tensorboard": False, "wandb": False, "mlflow": False}
     assert "API key" in trackers["wandb"]["error"]
+    assert "NotADirectoryError" in trackers["mlflow"]["error"] and "blocker" in trackers["mlflow"]["error"]
 
 
 @pytest.mark.parametrize("value", ["[console,tensorbord]", "[console,console]", "[1]"])
