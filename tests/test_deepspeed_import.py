@@ -1,5 +1,5 @@
-"""How a worker imports DeepSpeed (`zbench.engine.ds_config.import_deepspeed`): its Muon optimizer's module without
-the torch.compile it applies as it loads, which would import all of Inductor into every CPU worker; and nothing of
+"""How a worker imports DeepSpeed (`zbench.engine.ds_config.import_deepspeed`): its Muon optimizer's modules without
+the torch.compile they apply as they load, which would load Inductor's compiler into every CPU worker; and nothing of
 that left behind for the worker's own torch.compile."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def probe(env_value: str | None) -> dict:
 
 @pytest.mark.parametrize("env_value", [None, "0"])
 def test_deepspeed_loads_without_compiling_muon_or_importing_inductor(env_value: str | None) -> None:
-    """The Muon module imports uncompiled and Inductor stays out until something compiles; the environment is as
-    it was (unset, or the user's value), so the worker's own torch.compile compiles."""
+    """The Muon modules import uncompiled and Inductor's compiler (`compile_fx`) stays out until something compiles;
+    the environment is as it was (unset, or the user's value), so the worker's own torch.compile compiles."""
     after = probe(env_value)
     assert after == {"inductor": False, "muon_compiled": False, "env": env_value, "muon_class": "MuonWithAuxAdam",
                      "later_compiled": True}

@@ -13,31 +13,32 @@ from typing import Any
 
 from zbench.config import Offload, ZeroConfig
 
-# DeepSpeed's Muon optimizer: its module compiles a function with torch.compile as it is imported
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+# DeepSpeed's Muon optimizer: this module of it compiles functions with torch.compile as it is imported
+MUON_COMPILED_MODULE = "deepspeed.runtime.zero.muon.original_muon"
 
 
 def import_deepspeed() -> ModuleType:
-    """`import deepspeed`, its Muon optimizer's module imported first with TorchDynamo off (`TORCHDYNAMO_DISABLE`,
-    read as `torch.compile` decorates), so that its Newton-Schulz function stays a plain function.
+    """`import deepspeed`, then its Muon optimizer's modules with TorchDynamo off (`TORCHDYNAMO_DISABLE`, which
+    `torch.compile` reads as it decorates), so that their three Newton-Schulz and update functions stay plain ones.
 
-    DeepSpeed 0.19 imports that module in every ZeRO engine (its optimizer check, its gradient reduction), and the
-    decoration imports all of Inductor: about 2.4 s of CPU in each worker process, about a quarter of what a small
-    CPU case's workers spend before their first step. zbench never trains with Muon, and where a worker compiles
-    (its layers on CUDA) Inductor loads then, for what it runs."""
-    if MUON_MODULE not in sys.modules:
+    DeepSpeed 0.19 imports those modules in every ZeRO engine (its optimizer check, its gradient reduction), and
+    compiling the functions loads Inductor's compiler (`torch._inductor.compile_fx` and what it imports): about 2.4 s
+    of CPU in each worker process, a quarter of what a small CPU case's workers spent before their first step.
+    zbench never trains with Muon; where a worker compiles its own layers (on CUDA), the compiler loads then. Only the
+    Muon import runs with the switch set: DeepSpeed itself, imported first, decorates with it unset."""
+    import deepspeed
+
+    if MUON_COMPILED_MODULE not in sys.modules:
         before = os.environ.get("TORCHDYNAMO_DISABLE")
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         try:
-            with contextlib.suppress(ImportError):  # a DeepSpeed without Muon imports nothing of it
-                __import__(MUON_MODULE)
+            with contextlib.suppress(ImportError):  # a DeepSpeed without Muon has nothing to import
+                __import__("deepspeed.runtime.zero.muon.muon_optimizer")
         finally:
             if before is None:
-                del os.environ["TORCHDYNAMO_DISABLE"]
+                os.environ.pop("TORCHDYNAMO_DISABLE", None)
             else:
                 os.environ["TORCHDYNAMO_DISABLE"] = before
-    import deepspeed
-
     return deepspeed
 
 

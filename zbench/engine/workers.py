@@ -385,7 +385,7 @@ class _Worker:
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
-        deepspeed = import_deepspeed()  # its Muon module first, uncompiled
+        deepspeed = import_deepspeed()  # its Muon modules uncompiled
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         if self.on_cuda:
             torch.cuda.set_device(self.device)
