@@ -265,15 +265,17 @@ def test_parts_of_a_phase_follow_it_with_what_lies_outside_them() -> None:
     # what each window ran: clipped to it, most first; no row for the time outside the parts, none for a window
     # that ran nothing (gen/cache)
     events.append(_Event("decode_kernel", gpu, 89 * ms, 91 * ms))  # across decode's end into gen's rest
-    inside = {label: (total, [(o.name, o.calls, o.ns) for o in ops])
-              for label, total, ops in window_operators(events, phase_rows(phase_profiles(events)))}
-    assert inside["gen"] == (82, [("decode_kernel", 2, 69 * ms), ("prefill_kernel", 1, 10 * ms),
-                                  ("late_kernel", 1, 3 * ms)])
-    assert inside["gen/prefill"] == (10, [("prefill_kernel", 1, 10 * ms)])
-    assert inside["gen/decode"] == (68, [("decode_kernel", 2, 68 * ms)])
+    events.append(_Event("queued_kernel", gpu, 18 * ms, 22 * ms))  # queued in prefill, running into decode
+    inside = {label: (wall, total, [(o.name, o.calls, o.ns) for o in ops])
+              for label, wall, total, ops in window_operators(events, phase_rows(phase_profiles(events)))}
+    assert inside["gen"] == (100, 86, [("decode_kernel", 2, 69 * ms), ("prefill_kernel", 1, 10 * ms),
+                                       ("queued_kernel", 1, 4 * ms), ("late_kernel", 1, 3 * ms)])
+    assert inside["gen/prefill"] == (16, 12, [("prefill_kernel", 1, 10 * ms), ("queued_kernel", 1, 2 * ms)])
+    assert inside["gen/decode"] == (70, 70, [("decode_kernel", 2, 68 * ms), ("queued_kernel", 1, 2 * ms)])
     assert set(inside) == {"gen", "gen/prefill", "gen/decode"}
     report = render(phase_profiles(events), "", "t", events)
-    assert "device ops inside each phase and part" in report and "gen/prefill: 10.0 ms" in report
+    assert "device ops inside each phase and part" in report
+    assert "gen/prefill: 12.0 ms of device ops in 16.0 ms" in report
 
 
 def test_graph_loop_labels_the_parts_of_its_rollout(tiny_loaded, tmp_path: Path) -> None:

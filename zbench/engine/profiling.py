@@ -12,8 +12,8 @@ When the trainer reaches that step, every worker starts `torch.profiler` and lab
   the phase's thread was running as it began: a sync, a launch, a copy; where none, Python or a wait that records
   none, and then what another thread ran, such as autograd's during a backward); the idle in gaps of 10 us or more
   summed by the host's stack as each began (its outermost and innermost operators: which host work the GPU waited
-  on, such as a hook inside autograd's `AccumulateGrad`); then the device ops with the most device time and the CPU
-  operators with the most self time;
+  on, such as a hook inside autograd's `AccumulateGrad`); the device ops with the most device time inside each
+  phase and part; then those of the whole step and the CPU operators with the most self time;
 - `step<K>-<role>-rank<R>.json.gz`: the full trace, for Perfetto or chrome://tracing.
 
 A phase whose GPU is busy for most of its wall time is bound by its kernels; one with a low busy share waits on
@@ -436,10 +436,11 @@ def operator_times(events: list[Any]) -> tuple[list[OperatorTime], list[Operator
 
 
 def window_operators(events: list[Any], rows: list[tuple[str, PhaseProfile]],
-                     top: int = WINDOW_OPS_LISTED) -> list[tuple[str, float, list[OperatorTime]]]:
+                     top: int = WINDOW_OPS_LISTED) -> list[tuple[str, float, float, list[OperatorTime]]]:
     """Per phase and part of `rows` (`phase_rows`; not the time outside the parts, which has no window of its own):
-    its device time in all and the `top` device ops with the most of it, each op's time clipped to the window (what
-    of the whole step's operator table a part, `gen/prefill`, spent where)."""
+    its label, wall time, device time in all and the `top` device ops with the most of it, each op's time clipped to
+    the window (what of the whole step's operator table a part, `gen/prefill`, spent where). An op running across
+    two windows counts as a call in each."""
     import bisect
 
     device = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
@@ -459,18 +460,19 @@ def window_operators(events: list[Any], rows: list[tuple[str, PhaseProfile]],
                 row[1] += ns
         ranked = sorted((OperatorTime(name, calls, ns) for name, (calls, ns) in ops.items()), key=lambda o: -o.ns)
         if ranked:
-            out.append((label.strip(), sum(o.ns for o in ranked) / 1e6, ranked[:top]))
+            out.append((label.strip(), p.wall_ms, sum(o.ns for o in ranked) / 1e6, ranked[:top]))
     return out
 
 
-def render_window_operators(listed: list[tuple[str, float, list[OperatorTime]]]) -> str:
-    """`window_operators` as the text report's section: per phase and part, its device time, then its top ops."""
+def render_window_operators(listed: list[tuple[str, float, float, list[OperatorTime]]], top: int) -> str:
+    """`window_operators` as the text report's section: per phase and part, its wall and device time, then its top
+    ops (at most `top`, what `window_operators` was asked for)."""
     if not listed:
         return ""
     lines = ["device ops inside each phase and part, by device time inside its window (ops overlapping on streams "
-             f"add up), the {WINDOW_OPS_LISTED} with the most:"]
-    for label, ms, ops in listed:
-        lines.append(f"{label}: {ms:.1f} ms")
+             f"add up), the {top} with the most:", f"{'device ms':>12}{'calls':>10}  name"]
+    for label, wall_ms, ms, ops in listed:
+        lines.append(f"{label}: {ms:.1f} ms of device ops in {wall_ms:.1f} ms")
         lines += [f"{o.ns / 1e6:>12.2f}{o.calls:>10}  {o.name[:OPERATOR_NAME_WIDTH]}" for o in ops]
     return "\n".join(lines)
 
@@ -501,7 +503,7 @@ def render(phases: list[PhaseProfile], table: str, title: str, events: list[Any]
         ops = "–" if p.device_ops is None else p.device_ops
         lines.append(f"{label:<28}{p.wall_ms:>12.1f}{p.gpu_busy_ms:>14.1f}{p.busy_share:>8.0%}{ops:>12}")
     idle = render_idle(rows)
-    inside = render_window_operators(window_operators(events, rows)) if events else ""
+    inside = render_window_operators(window_operators(events, rows), WINDOW_OPS_LISTED) if events else ""
     return "\n".join([*lines, "", *([idle, ""] if idle else []), *([inside, ""] if inside else []), table, ""])
 
 
