@@ -27,6 +27,7 @@ def test_floors_of_several_stages_and_heads_in_one_start():
         assert len(x["step_s_all"]) == 2 and x["step_s_median"] > 0
         assert x["tokens_per_s_per_gpu"] == x["seqs"] * x["seq_len"] / x["step_s_median"]
         assert x["device"] == "cpu" and x["world_size"] == 1
+        assert x["grad_checks"] == "deepspeed (off)"  # bare DeepSpeed's own step checks, unless --like a case
         # the critic's floor is the critic's model, built the way the critic builds it
         assert x["model_class"] == {"lm": "Qwen3ForCausalLM", "value": "Qwen3ForTokenClassification"}[x["head"]]
         # a rank takes its share of the cores (one rank here), as the engine's GPU ranks do
@@ -140,6 +141,10 @@ def test_floors_like_a_run_root(tmp_path):
     assert saved[1:] == printed and saved[0]["seq_len"] == 1
     shapes = [(x["stage"], x["offload"], x["head"], x["seqs"], x["seq_len"], x["micro"], x["fused_ops"],
                x["gradient_checkpointing"], x["checkpoint_layers"]) for x in printed]
+    # the step's gradient checks as the case's (`zero.fused_grad_checks`, on by default): fused at ZeRO-1, DeepSpeed's
+    # own under ZeRO-3, saying why
+    assert {(x["stage"], x["fused_grad_checks"], x["grad_checks"]) for x in printed} == {
+        (1, True, "fused"), (3, True, "deepspeed (no ZeRO-1/2 optimizer: DeepSpeedZeroOptimizer_Stage3)")}
     # sequences per rank per optimizer step: 4 prompts x n; mean length of steps 2.. (prompt 10 + response)
     assert sorted(shapes, key=str) == sorted([(1, "none", "lm", 4, 31, 2, True, False, None),
                                               (1, "none", "value", 4, 31, 4, True, False, None),

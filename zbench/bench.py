@@ -46,6 +46,8 @@ class FloorSpec:
     fused_ops: bool = True  # the engine's lean RMSNorm and SwiGLU (`model.fused_ops`)
     head: str = "lm"  # lm: the actor's causal LM and loss; value: the critic's one-output token head, squared loss
     coalesce: bool = False  # DeepSpeed's coalesced gradient reduction, as a case asks (`zero.coalesce_grad_reduction`)
+    # the step's gradient checks fused where they apply, as a case asks (`zero.fused_grad_checks`); off: DeepSpeed's
+    fused_grad_checks: bool = False
     # measured at a smaller micro-batch in place of this one, which ran out of memory (`halved`); None: as asked
     asked_micro: int | None = None
 
@@ -60,10 +62,12 @@ def _floor_rank(rank: int, specs: list[FloorSpec], port: int, out: str) -> None:
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
     import torch.distributed as dist
 
     from zbench.engine import build_lock, cpu_info
+    from zbench.engine.ds_config import import_deepspeed
+
+    deepspeed = import_deepspeed()  # as a worker imports it
 
     build_lock.install()  # a build lock left by a killed rank must not hang this one
     cpu_info.install()
@@ -134,6 +138,7 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
 
     from zbench.config import ZeroConfig, effective_offload
     from zbench.engine.ds_config import training_config
+    from zbench.engine.grad_checks import fuse_grad_checks
     from zbench.models import resolve_model
 
     zero = ZeroConfig(stage=spec.stage, offload=spec.offload)
@@ -164,10 +169,12 @@ def _measure(rank: int, spec: FloorSpec, on_cuda: bool) -> dict[str, Any]:
                 layer.gradient_checkpointing = False
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    grad_checks = fuse_grad_checks(engine) if spec.fused_grad_checks else "deepspeed (off)"
     times = bare_steps(engine, spec.head, spec.micro, spec.seq_len, accum, spec.warmup + spec.steps,
                        torch.Generator().manual_seed(rank), spec.coalesce)[spec.warmup:]
     step = statistics.median(times)
-    result = {**asdict(spec), "model_class": type(model).__name__, "step_s_median": step, "step_s_all": times,
+    result = {**asdict(spec), "model_class": type(model).__name__, "grad_checks": grad_checks,
+              "step_s_median": step, "step_s_all": times,
               "tokens_per_s_per_gpu": spec.seqs * spec.seq_len / step,
               "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None,
               "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None,
@@ -359,7 +366,8 @@ def specs_like(run_root: Path, steps: int, warmup: int) -> tuple[list[FloorSpec]
                              gradient_checkpointing=cfg.model.gradient_checkpointing or budgeted,
                              checkpoint_layers=None if budgeted else cfg.model.checkpoint_layers,
                              fused_ops=cfg.model.fused_ops, head=head,
-                             coalesce=cfg.zero.coalesce_grad_reduction)
+                             coalesce=cfg.zero.coalesce_grad_reduction,
+                             fused_grad_checks=cfg.zero.fused_grad_checks)
             if spec not in specs:
                 specs.append(spec)
     if not specs:

@@ -338,7 +338,7 @@ class ZeroConfig:
     # actor and critic, ZeRO-1/2 without optimizer offload: the optimizer step's check for non-finite gradients and
     # its gradient norm as one multi-tensor reduction each, not a few kernels per parameter
     # (`zbench.engine.grad_checks`: the same flags and norm); elsewhere, or false, DeepSpeed's own. Each trained
-    # model's record says which ran (`grad_checks`)
+    # model's record says which ran (`grad_checks`), as does each floor, which follows its case (`bench floor --like`)
     fused_grad_checks: bool = True
 
     def __post_init__(self) -> None:
