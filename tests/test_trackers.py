@@ -152,9 +152,8 @@ def test_a_tracker_that_cannot_start_never_fails_the_case(tmp_path: Path) -> Non
     (case / "tensorboard").write_text("not a directory\n")
     blocker = tmp_path / "blocker"
     blocker.write_text("")
-    # MLflow 3 refuses a file store unless asked: asked here, so that it fails on the store itself
-    env = base_env(tmp_path) | {"WANDB_MODE": "online", "MLFLOW_TRACKING_URI": (blocker / "mlruns").as_uri(),
-                                "MLFLOW_ALLOW_FILE_STORE": "true"}
+    # a file: URI asks for MLflow 3's file store, which zbench allows (MLFLOW_ALLOW_FILE_STORE): it fails on the store
+    env = base_env(tmp_path) | {"WANDB_MODE": "online", "MLFLOW_TRACKING_URI": (blocker / "mlruns").as_uri()}
     log = train(case, env)
     for name in ("tensorboard", "wandb", "mlflow"):
         assert f"[zbench] warning: tracker {name} did not start:" in log, log[-4000:]

@@ -87,9 +87,11 @@ class _MLflow:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
-            # MLflow 3 keeps its file store behind this switch; zbench's default store is one, in the run root
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (case_dir.parent / MLFLOW_STORE).resolve().as_uri()
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow 3 keeps its file store behind this switch: zbench's default store is one (in the run root), and
+            # so is a folder or file: URI in $MLFLOW_TRACKING_URI, which asks for one
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self._experiment(case_dir.parent.name)
         self.run_id = self.client.create_run(experiment, run_name=cfg.name,
