@@ -414,8 +414,8 @@ class TrainerConfig:
     log_samples: int = 1  # decoded responses printed to train.log each step
     profile_step: int = 0  # profile this step in every worker (<case>/profile/); 0: none
     # what profile_step runs: torch (per phase, GPU-busy time, where the GPU idled and on what, the top kernels of the
-    # step and of each phase and part, and a trace) or python (per phase, the Python functions with the most own time under cProfile: for phases the host
-    # holds up, like a vLLM rollout)
+    # step and of each phase and part, and a trace) or python (per phase, the Python functions with the most own time
+    # under cProfile: for phases the host holds up, like a vLLM rollout)
     profiler: str = "torch"
     # cut micro-batches from a mini-batch's rows sorted by length, so that each is padded less: always for the
     # gradient-free passes, for an update only where its loss is the mini-batch's token mean (loss_agg token-mean),
