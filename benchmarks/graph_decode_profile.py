@@ -90,6 +90,9 @@ def main() -> None:
     on_off(parser, "--release-cache", "off", "the KV cache given back after each rollout and mapped again before the "
            "next, as a GPU run's replica does (`rollout.release_kv_cache`), the mapping timed with the rollout; or "
            "held (off, the default); each measured in turn, on a fresh copy of the model")
+    on_off(parser, "--compile-prefill", "on", "the prefill's decoder layers compiled (GraphDecoder's compile_prefill, "
+           "on where the decode step is compiled, the default) or run eagerly; each measured in turn, on a fresh copy "
+           "of the model")
     parser.add_argument("--beside", nargs="+", default=["none"], choices=BESIDE,
                         help="what the process holds beside the loop, as a run's actor does, built up in the order "
                              "given and kept (every variant measured at each): none; dist: a process group of one "
@@ -159,10 +162,10 @@ def main() -> None:
     # built once, then every attention decodes the same prompts
     batches = [prompts(b, w) for b in args.batch for w in (args.prompt_width if args.data else args.width)]
     held: list[Any] = []  # what --beside built, kept alive
-    for beside, attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release in (
+    for beside, attention, merge, sampler, share, mode, dense, one_grid, pdl, chained, stop, release, prefill in (
             itertools.product(args.beside, args.attention, args.merge, args.sampler, args.share, args.compile_mode,
                               args.dense, args.one_grid, args.pdl, args.steps_per_graph, args.stop,
-                              args.release_cache)):
+                              args.release_cache, args.compile_prefill)):
         hold(beside, lm, device, held, args.train_micro, args.train_len)
         samples = args.n if args.data and share == "on" else 1
         joined = attention == "triton" and samples > 1  # else no shared prefix: nothing for ONE_GRID to join
@@ -173,7 +176,9 @@ def main() -> None:
         decode_attention.PDL = pdl == "on"  # GraphDecoder compiles Inductor's kernels of the step the same way
         graph = GraphDecoder(copy.deepcopy(lm).to(device), compile=on_cuda, sync_every=args.sync_every,
                              attention=attention, merge=merge == "on", sample_in_graph=sampler == "graph",
-                             compile_mode=mode, steps_per_graph=chained, release_cache=release == "on")
+                             compile_mode=mode, steps_per_graph=chained, release_cache=release == "on",
+                             compile_prefill=on_cuda and prefill == "on")
+        prefill_s = time_prefill(graph, sync)
         pad_id, eos_ids = stops[stop]
         for ids, mask in batches:
             batch, width = ids.shape
@@ -198,7 +203,9 @@ def main() -> None:
             if on_cuda:  # the peak from here on: an earlier width of this variant still holds its recording's pool
                 torch.cuda.reset_peak_memory_stats()
             first = rollout(0)
+            prefill_s.clear()
             times = [rollout(1 + i) for i in range(args.repeats)]
+            prefills = sorted(prefill_s)
             row = base | {"attention": attention, "compile_mode": mode, "merged_projections": graph.merged_projections,
                           "sampler": "graph" if graph.sample_in_graph else "eager", "batch": batch,
                           "shared_rows": graph.shared_prefix[0],
@@ -209,10 +216,13 @@ def main() -> None:
                           "width": width, "data": args.data or "random", "prompt_tokens": int(mask.sum()),
                           "stop": stop, "eos_ids": eos_ids, "pad_id": pad_id,
                           # as it ran: given back where the device can (else held, with a warning)
-                          "release_cache": graph.release_cache, "beside": beside}
+                          "release_cache": graph.release_cache, "beside": beside,
+                          "prefill_compiled": graph.prefill_compiled}
             reserved = torch.cuda.max_memory_reserved() / 2**30 if on_cuda else None
             print(json.dumps(row | {"what": "generate", "first_s": first, "median_s": statistics.median(times),
-                                    "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved}),
+                                    "min_s": min(times), "max_s": max(times), "max_memory_reserved_gb": reserved,
+                                    "prefill_median_s": statistics.median(prefills) if prefills else None,
+                                    "prefill_max_s": prefills[-1] if prefills else None}),
                   flush=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -233,6 +243,24 @@ def main() -> None:
 
 
 BESIDE = ("none", "dist", "engine", "eager-engine", "compiled")
+
+
+def time_prefill(graph: Any, sync: Any) -> list[float]:
+    """Time each prefill `graph` runs from now on (synchronised before and after, so it adds one wait to its rollout,
+    which the loop's own first token needs anyway): the seconds go into the list returned."""
+    seconds: list[float] = []
+    run = graph._prefill
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        sync()
+        start = time.perf_counter()
+        out = run(*args, **kwargs)
+        sync()
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    graph._prefill = timed
+    return seconds
 
 
 def hold(what: str, lm: Any, device: torch.device, held: list[Any], micro: int, length: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 from zbench.config import (
     GRAPH_STEPS_PER_GRAPH,
     ConfigError,
+    as_recorded,
     auto_takes_graph_loop,
     critic_overlap_faster,
     dump_yaml,
@@ -193,6 +194,18 @@ def test_steps_per_graph_belongs_to_the_graph_loop() -> None:
     cuda = expand(load_matrix("grpo-six-case"), sets=[("rollout.steps_per_graph", 8)], case_globs=["zero2_*"],
                   device_defaults=True, on_cuda=True)
     assert cuda and all(c.config.rollout.cuda_graph and c.config.rollout.steps_per_graph == 8 for c in cuda)
+
+
+def test_compile_prefill_belongs_to_the_graph_loop() -> None:
+    """`rollout.compile_prefill` says how the hf graph loop prefills: on by default; old case configs read it as the
+    eager prefill they ran; on a GPU, naming it asks for the loop, as naming its attention does."""
+    graph = {"backend": "hf", "cuda_graph": True}
+    assert from_dict({}).rollout.compile_prefill is True
+    assert from_dict({"rollout": graph | {"compile_prefill": False}}).rollout.compile_prefill is False
+    assert from_dict(as_recorded({"rollout": graph})).rollout.compile_prefill is False
+    cuda = expand(load_matrix("grpo-six-case"), sets=[("rollout.compile_prefill", False)], case_globs=["zero2_*"],
+                  device_defaults=True, on_cuda=True)
+    assert cuda and all(c.config.rollout.cuda_graph and not c.config.rollout.compile_prefill for c in cuda)
 
 
 def test_gpu_graph_loop_cases_capture_four_steps_a_graph_unless_named() -> None:

@@ -187,7 +187,8 @@ def test_report_gives_one_steady_step_of_the_rollout_engine_without_a_range(tmp_
 
 def test_report_says_how_each_rollout_ran_from_its_result_json(tmp_path: Path) -> None:
     """report.md's rollout table, from each case's result.json as the engine writes it: the graph loop's attention,
-    its kernels' switches each named on or off (in result.json's order), its steps a replay, its draw and KV cache;
+    its kernels' switches each named on or off (in result.json's order), its steps a replay, its draw, KV cache and
+    prefill;
     "–" for a field of another engine; "not recorded" for one the case's zbench did not write; a case without
     result.json says so."""
     from zbench.runroot.casedir import write_result
@@ -195,7 +196,7 @@ def test_report_says_how_each_rollout_ran_from_its_result_json(tmp_path: Path) -
     cases = SIX_CASES[:4]
     root = make_run_root(tmp_path, cases, steps=3)
     graph = {"rollout_engine": "hf-graph", "graph_decode_attention": "triton", "graph_sampling": "in-graph",
-             "graph_kv_cache": "unmapped", "graph_steps_per_graph": 1,
+             "graph_kv_cache": "unmapped", "graph_steps_per_graph": 1, "graph_prefill": "compiled",
              "graph_decode_kernels": {"dense": True, "one_grid": True, "pdl": True, "inductor_pdl": False}}
     write_result(root / cases[0].name, graph)
     write_result(root / cases[1].name, {k: v for k, v in graph.items() if k != "graph_decode_kernels"})  # older
@@ -205,9 +206,9 @@ def test_report_says_how_each_rollout_ran_from_its_result_json(tmp_path: Path) -
     assert res.returncode == 0, res.stderr
     section = (root / "report.md").read_text().split("## Rollout as it ran (result.json)")[1]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in section.splitlines() if line.startswith("| zero")}
-    assert "| hf-graph | – | triton | dense on, inductor_pdl off, one_grid on, pdl on | 1 | in-graph | unmapped |" \
-        in rows[cases[0].name]
+    assert ("| hf-graph | – | triton | dense on, inductor_pdl off, one_grid on, pdl on | 1 | in-graph | unmapped | "
+            "compiled |") in rows[cases[0].name]
     assert "| triton | not recorded | 1 |" in rows[cases[1].name]
-    assert "| vllm | v2 | – | – | – | – | – |" in rows[cases[2].name]
+    assert "| vllm | v2 | – | – | – | – | – | – |" in rows[cases[2].name]
     assert "no result.json (the case did not finish)" in rows[cases[3].name]
     assert "Rollout as it ran" in (root / "report.html").read_text()

@@ -632,3 +632,29 @@ def test_bench_gen_graph_says_which_attention_ran_and_agrees_with_generate(monke
     assert result["greedy_identical_rows"] == 2 and result["generated_tokens_per_s"] > 0
     assert "decode_attention" not in generation("tiny", prompts=2, prompt_len=8, new_tokens=4, decode="generate",
                                                 repeats=1)
+
+
+def test_the_prefill_compiles_to_one_graph_and_the_decode_steps_stay_apart(tiny):
+    """With `compile_prefill`, the prefill runs the model through one compiled graph (dynamic shapes: batches of
+    other widths and prompt counts compile nothing new; the scratch cache's writes replayed) and decodes the eager
+    prefill's greedy tokens; the decode steps stay out of it (uncompiled here: `compile=False`)."""
+    model, pad_id, eos_ids, input_ids, mask = tiny
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    kwargs = {"max_new_tokens": 12, "temperature": 0.0, "top_p": 1.0, "pad_id": pad_id, "eos_ids": eos_ids,
+              "generator": None}
+    eager = GraphDecoder(copy.deepcopy(model), compile=False)
+    compiled = GraphDecoder(model, compile=False, compile_prefill=True, prefill_backend=counting)
+    assert not eager.prefill_compiled and compiled.prefill_compiled
+    assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager.generate(input_ids, mask, **kwargs))
+    assert len(graphs) == 1 and graphs[0] > 100  # the whole model, its 11 decode steps apart
+    for rows, cut in ((slice(1, 5), 2), (slice(0, 6, 2), 0)):  # narrower, fewer prompts
+        batch = input_ids[rows, cut:], mask[rows, cut:]
+        assert torch.equal(compiled.generate(*batch, **kwargs), eager.generate(*batch, **kwargs))
+    assert len(graphs) == 1
+    torch._dynamo.reset()

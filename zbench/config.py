@@ -168,6 +168,10 @@ class RolloutConfig:
     # both stop after the same steps. A GPU default of 4 where the loop records its steps and draws in them
     # (GRAPH_STEPS_PER_GRAPH: 0.6-5.4 % off runs' rollout phases on 2 x H200); result.json records what ran
     steps_per_graph: int = 1
+    # cuda_graph on CUDA: the prefill (each distinct prompt once) compiled too, one graph for every prompt count and
+    # width (torch.compile, dynamic shapes, built at the first rollout); false runs it eagerly, about 75 kernels a
+    # layer; result.json records what ran (graph_prefill); other rollouts have no prefill of their own to compile
+    compile_prefill: bool = True
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
     kv_cache_fit: bool = False  # vllm: a KV cache just large enough for one rollout at full length, not a share
@@ -652,11 +656,10 @@ def cuda_defaults(cfg: RunConfig, named: typing.Callable[[str], bool]) -> dict[s
         out[f"{role}.forward_micro_batch_size_per_gpu"] = forward
     backend = cfg.rollout.backend
     if backend != "vllm" and not named("rollout.cuda_graph") and not named("rollout.static_cache"):
-        # the loop where it has run fast; with hf, a named decode_attention or steps_per_graph asks for the loop
-        # whatever else holds
+        # the loop where it has run fast; with hf, a named key of the loop's own asks for it whatever else holds
         taken = (auto_takes_graph_loop(with_overrides(cfg, {"rollout.cuda_graph": True})) if backend == "auto"
                  else graph_loop_measured(cfg))
-        if taken or (backend == "hf" and (named("rollout.decode_attention") or named("rollout.steps_per_graph"))):
+        if taken or (backend == "hf" and any(named(f"rollout.{key}") for key in GRAPH_LOOP_KEYS)):
             out["rollout.cuda_graph"] = True
     sampling = with_overrides(cfg, {"rollout.cuda_graph": True}) if "rollout.cuda_graph" in out else cfg
     engine = rollout_engine(sampling, True)
@@ -692,6 +695,9 @@ def replica_parks(cfg: RunConfig) -> bool:
     through training (`zbench.analyze.activations`)."""
     return effective_offload(cfg.zero.stage, cfg.zero.offload).optimizer != "none"
 
+
+# keys of the hf graph loop's own (`rollout.<key>`): naming one on a GPU asks for the loop (`cuda_defaults`)
+GRAPH_LOOP_KEYS = ("decode_attention", "steps_per_graph", "compile_prefill")
 
 # decode steps one CUDA graph of the graph loop holds on a GPU (`rollout.steps_per_graph`'s GPU default): against 1,
 # 4 took 0.6-5.4 % off the rollout phase in each of 6 pairs of runs on 2 x H200 (two machines, 4 first in one round
@@ -972,6 +978,7 @@ INTRODUCED_KEYS: tuple[dict[str, Any], ...] = (
     {"rollout.steps_per_graph": 1},  # the graph loop replayed one recorded step a token
     {"zero.coalesce_grad_reduction": False},  # DeepSpeed's hooks reduced each micro-batch's gradients
     {"zero.fused_grad_checks": False},  # DeepSpeed checked and normed the gradients a tensor at a time
+    {"rollout.compile_prefill": False},  # the graph loop prefilled eagerly
 )
 
 

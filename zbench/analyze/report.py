@@ -309,14 +309,15 @@ ROLLOUT_FIELDS = (
     ("graph_steps_per_graph", "decode steps a replay", GRAPH_LOOP),
     ("graph_sampling", "draw", GRAPH_LOOP),
     ("graph_kv_cache", "KV cache between rollouts", GRAPH_LOOP),
+    ("graph_prefill", "prefill", GRAPH_LOOP),
 )
 
 
 def rollout_table(run: RunRoot) -> pd.DataFrame:
     """How each case's rollout ran, as its result.json recorded it: the engine, and for the graph loop its attention,
-    the attention kernels' switches, its decode steps a replay, where it draws and what its KV cache does between
-    rollouts. "not recorded" where the case's zbench did not record a field; "–" where it does not apply to the
-    engine that ran; columns that apply to no case are left out."""
+    the attention kernels' switches, its decode steps a replay, where it draws, what its KV cache does between
+    rollouts and how it prefills. "not recorded" where the case's zbench did not record a field; "–" where it does
+    not apply to the engine that ran; columns that apply to no case are left out."""
     rows = []
     for c in run.cases:
         result = read_result(c.dir)

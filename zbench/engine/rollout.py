@@ -246,8 +246,8 @@ class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
     the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The
-    prefill runs eagerly, each distinct prompt once (`_prefill`); where the rows come as runs of `samples` rows of one
-    prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
+    prefill runs each distinct prompt once (`_prefill`), on CUDA compiled too (`compile_prefill`, dynamic
+    shapes); where the rows come as runs of `samples` rows of one prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
     per run length too). Compiled, with top_p 1, the recorded step also draws the next token and keeps the books
     (`_step`, `race_sampling`), so a token costs the host one graph replay; otherwise sampling runs between replays
     on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
@@ -269,7 +269,8 @@ class GraphDecoder:
 
     def __init__(self, model: nn.Module, *, compile: bool, sync_every: int = 64, attention: str = "sdpa",
                  merge: bool = True, sample_in_graph: bool = True, release_cache: bool = False,
-                 compile_mode: str = "reduce-overhead", steps_per_graph: int = 1):
+                 compile_mode: str = "reduce-overhead", steps_per_graph: int = 1, compile_prefill: bool | None = None,
+                 prefill_backend: Any = "inductor"):
         from zbench.engine.merged_projections import merge_projections
 
         if compile_mode not in COMPILE_MODES:
@@ -325,14 +326,32 @@ class GraphDecoder:
         self._chains: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._chain_pool: Any = None
         self._chain_stream: Any = None
+        # The prefill compiled too (None: on CUDA, where the decode step is compiled; on a CPU, Inductor's C++ build
+        # of the model costs more than a test's few prefills save). Eager, a Qwen3-0.6B layer's prefill runs about 75
+        # kernels (its norms in float32, the rotary embedding's and the scratch cache's concatenations): about half
+        # the prefill's GPU time at GRPO's 32 prompts on an H200 (results/reference/h200-rollout-parts-20261202).
+        # Compiled whole (shapes dynamic: one graph for every prompt count and width; the scratch cache's writes are
+        # side effects dynamo replays), Inductor fuses them around the matrix multiplies and the attention.
+        if compile_prefill is None:
+            compile_prefill = compile and device.type == "cuda"
+        self.prefill_compiled = compile_prefill
+        self._prefill_forward = (torch.compile(self._prefill_logits, dynamic=True, backend=prefill_backend)
+                                 if compile_prefill else self._prefill_logits)
         if compile:
-            import torch._inductor
+            from torch import _inductor
 
-            options = torch._inductor.list_mode_options(compile_mode) | ({"triton.enable_pdl": True} if self.pdl else {})
+            options = _inductor.list_mode_options(compile_mode) | ({"triton.enable_pdl": True} if self.pdl else {})
             self._decode = torch.compile(self._forward, options=options, dynamic=False)
             if self.steps_per_graph > 1:  # compiled, not recorded: `_replay_chained` captures runs of it
                 options = options | {"triton.cudagraphs": False}
             self._decode_and_draw = torch.compile(self._step, options=options, dynamic=False)
+
+    def _prefill_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                        cache: Any) -> torch.Tensor:
+        """The model over whole prompts into `cache`, the next-token logits of each: what `_prefill` runs, compiled
+        where `compile_prefill` says (`prefill_compiled`)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
                  shared: tuple[int, int] = (1, 0)) -> torch.Tensor:
@@ -480,8 +499,7 @@ class GraphDecoder:
         distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
         ids, kept = distinct[:, : width - lead], distinct[:, width - lead:]
         scratch = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=kept, position_ids=(kept.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=scratch, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        logits = self._prefill_forward(ids, kept, (kept.cumsum(-1) - 1).clamp(min=0), scratch)
         for layer, held in zip(layers, scratch.layers, strict=True):
             layer.cumulative_length.fill_(lead)  # StaticLayer.update writes from here on, and counts on
             layer.update(held.keys[inverse], held.values[inverse])
@@ -621,7 +639,7 @@ class HFRollout:
                  temperature: float, top_p: float, static_cache: bool, device: torch.device,
                  cuda_graph: bool = False, parked: bool = False, decode_attention: str = "auto",
                  prompt_width: int | None = None, samples: int = 1, release_kv_cache: bool = False,
-                 steps_per_graph: int = 1):
+                 steps_per_graph: int = 1, compile_prefill: bool = True):
         self.model = model.eval()
         self.samples = samples  # rows come as runs of this many samples of one prompt (GRPO's n)
         self.pad_id, self.eos_ids = pad_id, eos_ids
@@ -638,7 +656,8 @@ class HFRollout:
         self.decode_attention = (resolve_decode_attention(decode_attention, device, self.model.config, dtype)
                                  if cuda_graph else None)
         self.graph = (GraphDecoder(self.model, compile=compile_step, attention=self.decode_attention,
-                                   release_cache=release_kv_cache, steps_per_graph=steps_per_graph)
+                                   release_cache=release_kv_cache, steps_per_graph=steps_per_graph,
+                                   compile_prefill=compile_step and compile_prefill)
                       if self.decode_attention else None)
         # the graph loop's projection groups merged into one matrix multiply each (None without the graph loop)
         self.merged_projections = self.graph.merged_projections if self.graph is not None else None
@@ -678,6 +697,14 @@ class HFRollout:
         """The graph loop's decode steps a replay, as it runs them at this rollout's top_p, for the case's result.json
         (`GraphDecoder.steps_a_graph`); None without the graph loop."""
         return self.graph.steps_a_graph(self.top_p) if self.graph is not None else None
+
+    @property
+    def prefill(self) -> str | None:
+        """How the graph loop prefills, for the case's result.json: `compiled` or `eager`; None without the graph
+        loop."""
+        if self.graph is None:
+            return None
+        return "compiled" if self.graph.prefill_compiled else "eager"
 
     @property
     def kv_cache(self) -> str | None:

@@ -640,7 +640,8 @@ class Trainer:
                     "graph_decode_kernels": self.info.get("decode_kernels"),
                     "graph_steps_per_graph": self.info.get("steps_per_graph"),
                     "graph_prompt_width": self.info.get("prompt_width"),
-                    "graph_sampling": self.info.get("sampling"), "graph_kv_cache": self.info.get("kv_cache")}
+                    "graph_sampling": self.info.get("sampling"), "graph_kv_cache": self.info.get("kv_cache"),
+                    "graph_prefill": self.info.get("prefill")}
                    if self.info.get("decode_attention") else {}),
                 **({"mps": self.info["mps"]} if "mps" in self.info else {}),
                 **({"session": self.session} if self.session else {}),

@@ -654,6 +654,7 @@ class PolicyWorker(_Worker):
                 "prompt_width": getattr(self.rollout, "prompt_width", None),  # the graph loop's one width, if any
                 "sampling": getattr(self.rollout, "graph_sampling", None),  # where the graph loop draws
                 "kv_cache": getattr(self.rollout, "kv_cache", None),  # the graph loop's between rollouts
+                "prefill": getattr(self.rollout, "prefill", None),  # the graph loop's: compiled or eager
                 "cpu_threads": torch.get_num_threads(),
                 # Ray raises its workers' niceness by 15 (RAY_worker_niceness): a rollout's host loop runs at it
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0),
@@ -710,7 +711,7 @@ class PolicyWorker(_Worker):
                          device=self.device, cuda_graph=r.cuda_graph, parked=self.park_replica,
                          decode_attention=r.decode_attention, prompt_width=self.cfg.data.max_prompt_length,
                          samples=r.n, release_kv_cache=r.release_kv_cache,
-                         steps_per_graph=r.steps_per_graph)
+                         steps_per_graph=r.steps_per_graph, compile_prefill=r.compile_prefill)
 
     @phase("gen")
     def generate(self, batch: Batch, step: int) -> Batch:

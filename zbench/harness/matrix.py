@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from zbench import shipped_specs
-from zbench.config import ConfigError, RunConfig, cuda_defaults, from_dict, has_dotted, read_yaml, set_dotted
+from zbench.config import (
+    GRAPH_LOOP_KEYS,
+    ConfigError,
+    RunConfig,
+    cuda_defaults,
+    from_dict,
+    has_dotted,
+    read_yaml,
+    set_dotted,
+)
 
 MATRIX_KEYS = ("description", "base", "axes", "name", "exclude", "cases")
 
@@ -183,7 +192,7 @@ def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> 
     None, as its `trainer.device` resolves here), else nothing. The case is first read with micro-batch 1 wherever
     nothing names one: the CPU's default size need not divide a GPU batch; and without MPS's SM share, which needs
     the critic's update beside other work, as the defaults may make it (`trainer.critic_update` overlap); and with
-    the graph loop on where its attention or its steps a graph are named, as the defaults make it
+    the graph loop on where its attention, steps a graph or prefill are named, as the defaults make it
     (`rollout.cuda_graph`)."""
     probe = copy.deepcopy(data)
     for key in ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"):
@@ -192,7 +201,7 @@ def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> 
     if has_dotted(probe, "trainer.critic_sm_percent"):
         set_dotted(probe, "trainer.critic_sm_percent", 0)
     rollout = probe.get("rollout") if isinstance(probe.get("rollout"), dict) else {}
-    if (("decode_attention" in rollout or "steps_per_graph" in rollout) and "cuda_graph" not in rollout
+    if (any(key in rollout for key in GRAPH_LOOP_KEYS) and "cuda_graph" not in rollout
             and rollout.get("backend") != "vllm" and not rollout.get("static_cache")):
         set_dotted(probe, "rollout.cuda_graph", True)  # the loop's own key named: the GPU defaults turn the loop on
     cfg = from_dict(probe, where)
