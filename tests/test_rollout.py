@@ -634,10 +634,12 @@ def test_bench_gen_graph_says_which_attention_ran_and_agrees_with_generate(monke
                                                 repeats=1)
 
 
-def test_the_prefill_compiles_to_one_graph_and_the_decode_steps_stay_apart(tiny):
-    """With `compile_prefill`, the prefill runs the model through one compiled graph (dynamic shapes: batches of
-    other widths and prompt counts compile nothing new; the scratch cache's writes replayed) and decodes the eager
-    prefill's greedy tokens; the decode steps stay out of it (uncompiled here: `compile=False`)."""
+def test_the_prefill_runs_every_layer_through_one_compiled_graph(tiny):
+    """With `compile_prefill`, the prefill runs each decoder layer through one compiled graph, shared by all layers
+    and shapes (batches of other widths and prompt counts compile nothing new), each layer writing its own keys and
+    values, and decodes the eager prefill's greedy tokens; after it the layers are as they were (their own call,
+    their `layer_idx`), so the decode steps run them uncompiled here (`compile=False`). A layer called without its
+    cache says how to turn the compiled prefill off."""
     model, pad_id, eos_ids, input_ids, mask = tiny
     graphs: list[int] = []
 
@@ -651,10 +653,16 @@ def test_the_prefill_compiles_to_one_graph_and_the_decode_steps_stay_apart(tiny)
     eager = GraphDecoder(copy.deepcopy(model), compile=False)
     compiled = GraphDecoder(model, compile=False, compile_prefill=True, prefill_backend=counting)
     assert not eager.prefill_compiled and compiled.prefill_compiled
+    layers = model.model.layers
+    assert len(layers) > 1 and [layer.self_attn.layer_idx for layer in layers] == list(range(len(layers)))
     assert torch.equal(compiled.generate(input_ids, mask, **kwargs), eager.generate(input_ids, mask, **kwargs))
-    assert len(graphs) == 1 and graphs[0] > 100  # the whole model, its 11 decode steps apart
+    assert len(graphs) == 1 and graphs[0] < 200  # one layer's graph, not the model's
     for rows, cut in ((slice(1, 5), 2), (slice(0, 6, 2), 0)):  # narrower, fewer prompts
         batch = input_ids[rows, cut:], mask[rows, cut:]
         assert torch.equal(compiled.generate(*batch, **kwargs), eager.generate(*batch, **kwargs))
     assert len(graphs) == 1
+    assert [layer.self_attn.layer_idx for layer in layers] == list(range(len(layers)))
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    with pytest.raises(RuntimeError, match=r"called without its KV cache .* set rollout.compile_prefill=false"):
+        compiled._run_layer(layers[0], None, torch.zeros(1, 1, model.config.hidden_size))
     torch._dynamo.reset()

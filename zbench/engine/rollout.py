@@ -242,12 +242,17 @@ def plain_static_layers(config: Any) -> bool:
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
+def _call_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module's own call, skipping its `_compiled_call_impl`: what `GraphDecoder`'s prefill compiles."""
+    return layer._call_impl(*args, **kwargs)
+
+
 class GraphDecoder:
     """Sampling loop over a static KV cache whose one-token decode step is compiled with
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
     the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The
-    prefill runs each distinct prompt once (`_prefill`), on CUDA compiled too (`compile_prefill`, dynamic
-    shapes); where the rows come as runs of `samples` rows of one prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
+    prefill runs each distinct prompt once (`_prefill`), on CUDA through compiled decoder layers
+    (`compile_prefill`, `_layers_compiled`); where the rows come as runs of `samples` rows of one prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
     per run length too). Compiled, with top_p 1, the recorded step also draws the next token and keeps the books
     (`_step`, `race_sampling`), so a token costs the host one graph replay; otherwise sampling runs between replays
     on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
@@ -326,17 +331,13 @@ class GraphDecoder:
         self._chains: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._chain_pool: Any = None
         self._chain_stream: Any = None
-        # The prefill compiled too (None: on CUDA, where the decode step is compiled; on a CPU, Inductor's C++ build
-        # of the model costs more than a test's few prefills save). Eager, a Qwen3-0.6B layer's prefill runs about 75
-        # kernels (its norms in float32, the rotary embedding's and the scratch cache's concatenations): about half
-        # the prefill's GPU time at GRPO's 32 prompts on an H200 (results/reference/h200-rollout-parts-20261202).
-        # Compiled whole (shapes dynamic: one graph for every prompt count and width; the scratch cache's writes are
-        # side effects dynamo replays), Inductor fuses them around the matrix multiplies and the attention.
+        # The prefill's decoder layers compiled too (None: on CUDA, where the decode step is compiled; on a CPU,
+        # Inductor's C++ build costs more than a test's few prefills save): `_layers_compiled`
         if compile_prefill is None:
             compile_prefill = compile and device.type == "cuda"
-        self.prefill_compiled = compile_prefill
-        self._prefill_forward = (torch.compile(self._prefill_logits, dynamic=True, backend=prefill_backend)
-                                 if compile_prefill else self._prefill_logits)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        self._prefill_layers: list[nn.Module] = list(layers) if compile_prefill and isinstance(layers, nn.ModuleList) else []
+        self._prefill_layer = torch.compile(_call_layer, dynamic=True, backend=prefill_backend)
         if compile:
             from torch import _inductor
 
@@ -346,12 +347,47 @@ class GraphDecoder:
                 options = options | {"triton.cudagraphs": False}
             self._decode_and_draw = torch.compile(self._step, options=options, dynamic=False)
 
-    def _prefill_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                        cache: Any) -> torch.Tensor:
-        """The model over whole prompts into `cache`, the next-token logits of each: what `_prefill` runs, compiled
-        where `compile_prefill` says (`prefill_compiled`)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+    @property
+    def prefill_compiled(self) -> bool:
+        """Whether the prefill runs the decoder layers compiled (`_layers_compiled`)."""
+        return bool(self._prefill_layers)
+
+    @contextlib.contextmanager
+    def _layers_compiled(self, caches: list[Any]) -> Iterator[None]:
+        """Inside this block each decoder layer runs through one compiled graph shared by all of them (shapes
+        dynamic: every prompt count and width too), writing its keys and values into its own cache of `caches`.
+
+        Eager, a Qwen3-0.6B layer's prefill runs about 75 kernels (its norms in float32, the rotary embedding's and
+        the cache's concatenations), about half the prefill's GPU time at GRPO's 32 prompts on an H200; compiled,
+        Inductor fuses them around the matrix multiplies and the attention (47 against 101 ms a prefill,
+        results/reference/h200-prefill-compiled-20261202). One layer's graph, not the whole model's: that compiles
+        in a 28th of the time. For every layer to pass the same guards, each is handed a cache of its own in place
+        of the model's, and its modules' `layer_idx` (which only picks the layer's slot in a cache) reads 0 while
+        the block lasts. A layer is switched through `_compiled_call_impl`, which `nn.Module.__call__` takes where
+        set, so the decode step, outside the block, runs the layers as before."""
+        held = []
+        for layer, cache in zip(self._prefill_layers, caches, strict=True):
+            numbered = [(m, m.layer_idx) for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+            held.append((layer, layer._compiled_call_impl, numbered))
+            for module, _ in numbered:
+                module.layer_idx = 0
+            layer._compiled_call_impl = functools.partial(self._run_layer, layer, cache)
+        try:
+            yield
+        finally:
+            for layer, before, numbered in held:
+                layer._compiled_call_impl = before
+                for module, index in numbered:
+                    module.layer_idx = index
+
+    def _run_layer(self, layer: nn.Module, into: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """One decoder layer's prefill call through the shared compiled graph, into the cache `into`."""
+        key = next((k for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
+        if key is None:
+            raise RuntimeError(f"rollout.compile_prefill: {type(layer).__name__} was called without its KV cache "
+                               "(as `past_key_values` or `cache`), so its compiled prefill has nowhere to put its "
+                               "keys and values; set rollout.compile_prefill=false")
+        return self._prefill_layer(layer, *args, **(kwargs | {key: into}))
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,
                  shared: tuple[int, int] = (1, 0)) -> torch.Tensor:
@@ -499,8 +535,13 @@ class GraphDecoder:
         distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
         ids, kept = distinct[:, : width - lead], distinct[:, width - lead:]
         scratch = DynamicCache(config=self.model.config)
-        logits = self._prefill_forward(ids, kept, (kept.cumsum(-1) - 1).clamp(min=0), scratch)
-        for layer, held in zip(layers, scratch.layers, strict=True):
+        # each compiled layer's own cache, else the model's scratch cache holds every layer's
+        caches = [DynamicCache() for _ in self._prefill_layers]
+        with self._layers_compiled(caches):
+            logits = self.model(input_ids=ids, attention_mask=kept, position_ids=(kept.cumsum(-1) - 1).clamp(min=0),
+                                past_key_values=scratch, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        written = [cache.layers[0] for cache in caches] or scratch.layers
+        for layer, held in zip(layers, written, strict=True):
             layer.cumulative_length.fill_(lead)  # StaticLayer.update writes from here on, and counts on
             layer.update(held.keys[inverse], held.values[inverse])
         batch = input_ids.shape[0]
