@@ -202,8 +202,12 @@ def test_failed_trials_end_their_session_and_the_next_trial_gets_a_new_one(tmp_p
     its line as the reason), a hang (timeout, the serving processes' stacks in the trial's train.log), then a
     clean trial, served as the first trial of a third session."""
     trials = {"c.t1": "oom@1", "c.t2": "hang@2", "c.t3": ""}
+    # one rank where it does (a rank is a worker process to start: CI time); the hang's rank 0 waits in a barrier
+    # for a second one
+    ranks = {"c.t1": 1, "c.t2": 2, "c.t3": 1}
     configs = [(name, from_dict({"name": name, "steps": 2, "seed": 5, "algorithm": "grpo", "rollout": {"n": 2},
-                                 "trainer": {"fault": fault, "logger": ["console"]}})) for name, fault in trials.items()]
+                                 "trainer": {"fault": fault, "logger": ["console"], "world_size": ranks[name]}}))
+               for name, fault in trials.items()]
     root = RunRoot.create(tmp_path / "results", "sessions", matrix="sessions", matrix_file=None, seed=5, steps=2,
                           cases=[], command=["test"])
     server = TrialServer(root.path / f"c{casedir.SESSION_SUFFIX}", ENGINE, {})
