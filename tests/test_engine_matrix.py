@@ -1,8 +1,7 @@
-"""The whole path through the real CLI: a six-case matrix on the CPU engine (real Ray, real DeepSpeed ZeRO-1/2/3
+"""The whole path through the real CLI: the six-case matrix on the CPU engine (real Ray, real DeepSpeed ZeRO-1/2/3
 with and without CPU offload), interrupted after two cases, resumed, merged with a rerun, and checked for
-step-1 parity across ZeRO stages. One rank a case: a rank is a worker process to start (CI time); two ranks' ZeRO
-mathematics is checked where it matters, against one rank's (`test_loss_agg`) and through an exact resume of
-ZeRO-3 with offload (`test_engine_case`)."""
+step-1 parity across ZeRO stages and rank counts: the cases without offload run one rank, those with it two (a
+rank is a worker process to start: CI time), so ZeRO's partitioning across ranks is checked at every stage."""
 
 from __future__ import annotations
 
@@ -18,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ZBENCH = [sys.executable, "-m", "zbench"]
 STEPS = 2
-ONE_RANK = ["--set", "trainer.world_size=1"]
 SIX = ["zero1_no_offload", "zero2_no_offload", "zero3_no_offload",
        "zero1_cpu_offload", "zero2_cpu_offload", "zero3_cpu_offload"]
 # metrics that are pure functions of (weights, data, seed) at step 1: they must agree across ZeRO stages
@@ -49,11 +48,23 @@ def only_root(results: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def six_case(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The six-case matrix file, its cases without offload at one rank and those with it at two."""
+    matrix = yaml.safe_load((Path(__file__).resolve().parents[1] / "matrices" / "six-case.yaml").read_text())
+    ranks = {"no_offload": 1, "cpu_offload": 2}
+    for name, knobs in matrix["axes"]["offload"].items():
+        knobs["trainer.world_size"] = ranks[name]
+    path = tmp_path_factory.mktemp("matrix") / "six-case.yaml"
+    path.write_text(yaml.safe_dump(matrix, sort_keys=False))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def interrupted(six_case: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A six-case run stopped with SIGINT once two cases have completed and the third is running."""
     results = tmp_path_factory.mktemp("results")
-    proc = subprocess.Popen([*ZBENCH, "run", "six-case", "--seed", "7777", "--steps", str(STEPS),
-                             "--results-dir", str(results), "--retries", "0", *ONE_RANK],
+    proc = subprocess.Popen([*ZBENCH, "run", six_case, "--seed", "7777", "--steps", str(STEPS),
+                             "--results-dir", str(results), "--retries", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 900
     root = None
@@ -133,7 +144,8 @@ def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, d
     assert rows["zero2_no_offload"]["max_memory_reserved_gb"] == ""  # CPU-only: absent, not zero
     assert float(rows["zero2_no_offload"]["cpu_memory_used_gb"]) > 0
 
-    # ZeRO stages compute the same mathematics: step-1 metrics agree across all six cases
+    assert [json.loads((root / c / "result.json").read_text())["world_size"] for c in SIX] == [1, 1, 1, 2, 2, 2]
+    # ZeRO stages compute the same mathematics at one rank and two: step-1 metrics agree across all six cases
     first = {c: step_metrics(root / c, 1) for c in SIX}
     for key in PARITY:
         values = [first[c][key] for c in SIX]
@@ -142,13 +154,13 @@ def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, d
             assert math.isclose(v, ref, rel_tol=2e-3, abs_tol=1e-5), f"{key}: {c}={v} vs {SIX[0]}={ref}"
 
 
-def test_merge_of_two_partial_runs(interrupted: Path, tmp_path: Path) -> None:
+def test_merge_of_two_partial_runs(six_case: str, interrupted: Path, tmp_path: Path) -> None:
     """A rerun of the interrupted case, merged with the first run: each case from the root where it got furthest
     (the rerun's completed attempt over the interrupted one), the cases neither ran still there as pending."""
     broken = SIX[2]
     results = tmp_path / "rerun"
-    res = subprocess.run([*ZBENCH, "run", "six-case", "--seed", "7777", "--steps", str(STEPS), "--results-dir",
-                          str(results), "--cases", broken, "--retries", "0", *ONE_RANK],
+    res = subprocess.run([*ZBENCH, "run", six_case, "--seed", "7777", "--steps", str(STEPS), "--results-dir",
+                          str(results), "--cases", broken, "--retries", "0"],
                          capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rerun = only_root(results)
