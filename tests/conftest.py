@@ -14,17 +14,21 @@ import torch
 
 # costliest first: seconds one test process spent in the file, three processes on two cores (`--durations`)
 COSTLIEST_FIRST = (
-    "test_engine_matrix.py",  # 470: a six-case run interrupted, resumed, merged with a rerun
-    "test_tune_cli.py",  # 460
-    "test_engine_case.py",  # 430
-    "test_sessions.py",  # 330
-    "test_fault_matrix.py",  # 320
-    "test_bench_floor.py",  # 250
-    "test_packaged_model.py",  # 240
-    "test_trackers.py",  # 140
-    "test_harness_killed.py",  # 140
-    "test_full_disk.py",  # 100
-    "test_two_nodes.py",  # 90
+    "test_engine_case.py",  # 330
+    "test_tune_cli.py",  # 320
+    "test_engine_matrix.py",  # 250-310: a six-case run interrupted, resumed, merged with a rerun
+    "test_sessions.py",  # 220
+    "test_fault_matrix.py",  # 210
+    "test_packaged_model.py",  # 160
+    "test_trackers.py",  # 150
+    "test_harness_killed.py",  # 130
+    "test_bench_floor.py",  # 120
+    "test_triton_kernels.py",  # 115
+    "test_two_nodes.py",  # 80
+    "test_private_ray.py",  # 75
+    "test_config_matrix.py",  # 75
+    "test_full_disk.py",  # 75
+    "test_launch.py",  # 65
 )
 
 

@@ -1,7 +1,7 @@
 """The whole path through the real CLI: the six-case matrix on the CPU engine (real Ray, real DeepSpeed ZeRO-1/2/3
 with and without CPU offload), interrupted after two cases, resumed, merged with a rerun, and checked for
-step-1 parity across ZeRO stages and rank counts: the cases without offload run one rank, those with it two (a
-rank is a worker process to start: CI time), so ZeRO's partitioning across ranks is checked at every stage."""
+step-1 parity across ZeRO stages: the cases without offload run one rank, those with it two (a rank is a worker
+process to start: CI time), so the stages are compared at both, and with offload across ranks."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def only_root(results: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def six_case(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The six-case matrix file, its cases without offload at one rank and those with it at two."""
+    """The six-case matrix file, its cases without offload at one rank and those with it at two (named as the
+    repository's, so the run root, plot and report name it the same way)."""
     matrix = yaml.safe_load((Path(__file__).resolve().parents[1] / "matrices" / "six-case.yaml").read_text())
     ranks = {"no_offload": 1, "cpu_offload": 2}
     for name, knobs in matrix["axes"]["offload"].items():
@@ -145,13 +146,15 @@ def test_resume_completes_without_touching_finished_cases(resumed: tuple[Path, d
     assert float(rows["zero2_no_offload"]["cpu_memory_used_gb"]) > 0
 
     assert [json.loads((root / c / "result.json").read_text())["world_size"] for c in SIX] == [1, 1, 1, 2, 2, 2]
-    # ZeRO stages compute the same mathematics at one rank and two: step-1 metrics agree across all six cases
+    # ZeRO stages compute the same mathematics: step-1 metrics agree across the three stages at one rank, and across
+    # them at two (each rank samples its own responses, so one rank's and two ranks' steps differ)
     first = {c: step_metrics(root / c, 1) for c in SIX}
-    for key in PARITY:
-        values = [first[c][key] for c in SIX]
-        ref = values[0]
-        for c, v in zip(SIX, values, strict=True):
-            assert math.isclose(v, ref, rel_tol=2e-3, abs_tol=1e-5), f"{key}: {c}={v} vs {SIX[0]}={ref}"
+    for group in (SIX[:3], SIX[3:]):
+        for key in PARITY:
+            ref = first[group[0]][key]
+            for c in group:
+                assert math.isclose(first[c][key], ref, rel_tol=2e-3, abs_tol=1e-5), \
+                    f"{key}: {c}={first[c][key]} vs {group[0]}={ref}"
 
 
 def test_merge_of_two_partial_runs(six_case: str, interrupted: Path, tmp_path: Path) -> None:
@@ -196,7 +199,9 @@ def test_analysis_of_a_real_run(resumed: tuple[Path, dict, dict], tmp_path: Path
     html = (root / "report.html").read_text()
     assert "zero3_cpu_offload" in html and "data:image/png;base64," in html
     assert zb("compare", str(root), str(root)).returncode == 0
-    assert zb("parity", str(root)).returncode == 0
+    res = zb("parity", str(root))  # each world size on its own: its ranks sample their own responses
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (f"ppo at 1 rank: {', '.join(SIX[:3])}; ppo at 2 ranks: {', '.join(SIX[3:])};" in res.stdout), res.stdout
 
     doctored = tmp_path / "doctored"
     shutil.copytree(root, doctored)

@@ -20,6 +20,8 @@ from zbench.runroot import casedir
 
 ZBENCH = [sys.executable, "-m", "zbench"]
 CASES = ["zero1_no_offload", "zero2_no_offload"]
+# one rank a trial: a rank is a worker process to start, and the suite's cases share two cores (CI time)
+ONE_RANK = ("--set", "trainer.world_size=1")
 GEOMETRY = ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu",
             "actor.forward_micro_batch_size_per_gpu", "model.gradient_checkpointing")
 
@@ -53,9 +55,8 @@ def cell(value: object) -> str:
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     results = tmp_path_factory.mktemp("tune")
-    # one rank a trial: a rank is a worker process to start (CI time)
     proc = zbench("tune", "six-case", "--cases", ",".join(CASES), "--steps", "2", "--results-dir", str(results),
-                  "--set", "trainer.world_size=1")
+                  *ONE_RANK)
     return only_root(results), proc
 
 
@@ -140,7 +141,7 @@ def test_an_over_budget_trial_is_skipped_with_its_reason(tmp_path: Path) -> None
     # every geometry of the tiny model needs more than 0.5 GB of RSS: the first trial is over budget, and the memory
     # model says no smaller micro-batch saves the difference
     proc = zbench("tune", "six-case", "--cases", "zero1_no_offload", "--steps", "2", "--memory-budget", "0.5",
-                  "--results-dir", str(tmp_path))
+                  "--results-dir", str(tmp_path), *ONE_RANK)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     root = only_root(tmp_path)
     rows = trials(root)
@@ -155,10 +156,10 @@ def test_an_over_budget_trial_is_skipped_with_its_reason(tmp_path: Path) -> None
 
 def test_a_tune_stopped_by_its_time_budget_writes_what_it_found(tmp_path: Path) -> None:
     # every trial's warm-up step takes SLOW_FAULT_S (15 s) longer, so two cases' searches (a session start each, and
-    # at least two served trials after it) need well over 200 s; the first trial (25-60 s alone, over 90 s on a
-    # loaded 2-core machine) fits in the 120 s budget
+    # at least two served trials after it) need well over 120 s; the first trial (25-60 s alone at two ranks, over
+    # 90 s on a loaded 2-core machine) fits in the 120 s budget
     proc = zbench("tune", "six-case", "--cases", ",".join(CASES), "--steps", "2", "--time-budget", "120",
-                  "--set", "trainer.fault=slow@1", "--results-dir", str(tmp_path))
+                  "--set", "trainer.fault=slow@1", "--results-dir", str(tmp_path), *ONE_RANK)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "stopped early: time budget" in proc.stderr
     root = only_root(tmp_path)

@@ -61,8 +61,11 @@ def is_math_metric(name: str, spec: dict[str, Any]) -> bool:
 
 def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: float | None = None,
                  spec: str | Path = "parity") -> ParityResult:
-    """Compare step-``step`` math metrics of every case against the first case of its algorithm."""
+    """Compare step-``step`` math metrics of every case against the first case of its algorithm, and where the run's
+    cases ran at several world sizes, of its algorithm at its world size: each rank samples its own responses, so
+    one rank's step and two ranks' draw different ones, and only cases of one world size can agree."""
     run = load_run_root(root)
+    sizes = {str(case.row.get("world_size") or "") for case in run.cases}
     pspec = load_spec(spec)
     tol = pspec.get("tolerance", {}).get(run.device, {"rtol": 1e-3, "atol": 1e-5})
     rtol = float(tol["rtol"]) if rtol is None else rtol
@@ -79,7 +82,9 @@ def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: flo
                 skipped.append(f"{case.name}: no step {step} ({case.status})")
             continue
         row = {k: float(v) for k, v in m.loc[step].items() if is_math_metric(str(k), pspec)}
-        groups.setdefault(case.algorithm, []).append((case, row))
+        ranks = str(case.row.get("world_size") or "?")
+        group = case.algorithm if len(sizes) == 1 else f"{case.algorithm} at {ranks} rank{'' if ranks == '1' else 's'}"
+        groups.setdefault(group, []).append((case, row))
     if not groups and not unchecked:
         raise RunRootError(f"{root}: no case recorded step {step}")
     mismatches, compared = [], 0
