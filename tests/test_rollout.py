@@ -665,4 +665,15 @@ def test_the_prefill_runs_every_layer_through_one_compiled_graph(tiny):
     assert all(layer._compiled_call_impl is None for layer in layers)
     with pytest.raises(RuntimeError, match=r"called without its KV cache .* set rollout.compile_prefill=false"):
         compiled._run_layer(layers[0], None, torch.zeros(1, 1, model.config.hidden_size))
+
+    def failing(_gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    broken = GraphDecoder(copy.deepcopy(model), compile=False, compile_prefill=True, prefill_backend=failing)
+    with pytest.raises(Exception, match="no compiler here"):
+        broken.generate(input_ids, mask, **kwargs)
+    broken_layers = broken.model.model.layers  # a prefill that raised leaves the layers as they were
+    assert [layer.self_attn.layer_idx for layer in broken_layers] == list(range(len(broken_layers)))
+    assert all(layer._compiled_call_impl is None for layer in broken_layers)
     torch._dynamo.reset()

@@ -156,8 +156,8 @@ def test_an_over_budget_trial_is_skipped_with_its_reason(tmp_path: Path) -> None
 
 def test_a_tune_stopped_by_its_time_budget_writes_what_it_found(tmp_path: Path) -> None:
     # every trial's warm-up step takes SLOW_FAULT_S (15 s) longer, so two cases' searches (a session start each, and
-    # at least two served trials after it) need well over 120 s; the first trial (25-60 s alone at two ranks, over
-    # 90 s on a loaded 2-core machine) fits in the 120 s budget
+    # at least two served trials after it) need well over 120 s; the first trial (25-60 s alone at two ranks, less at
+    # one, over 90 s at two on a loaded 2-core machine) fits in the 120 s budget
     proc = zbench("tune", "six-case", "--cases", ",".join(CASES), "--steps", "2", "--time-budget", "120",
                   "--set", "trainer.fault=slow@1", "--results-dir", str(tmp_path), *ONE_RANK)
     assert proc.returncode == 1, proc.stdout + proc.stderr

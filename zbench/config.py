@@ -168,9 +168,9 @@ class RolloutConfig:
     # both stop after the same steps. A GPU default of 4 where the loop records its steps and draws in them
     # (GRAPH_STEPS_PER_GRAPH: 0.6-5.4 % off runs' rollout phases on 2 x H200); result.json records what ran
     steps_per_graph: int = 1
-    # cuda_graph on CUDA: the prefill (each distinct prompt once) compiled too, one graph for every prompt count and
-    # width (torch.compile, dynamic shapes, built at the first rollout); false runs it eagerly, about 75 kernels a
-    # layer; result.json records what ran (graph_prefill); other rollouts have no prefill of their own to compile
+    # cuda_graph on CUDA: the prefill (each distinct prompt once) runs its decoder layers through one compiled graph
+    # (torch.compile, dynamic shapes, built at the first rollout); false runs them eagerly, about 75 kernels a layer;
+    # result.json records what ran (graph_prefill); other rollouts have no prefill of their own to compile
     compile_prefill: bool = True
     sync_bucket_mb: int = 256  # ZeRO-3 weight sync gathers parameters in buckets of this size
     gpu_memory_utilization: float = 0.35  # vllm: share of the GPU its KV cache may take
@@ -697,7 +697,7 @@ def replica_parks(cfg: RunConfig) -> bool:
 
 
 # keys of the hf graph loop's own (`rollout.<key>`): naming one on a GPU asks for the loop (`cuda_defaults`)
-GRAPH_LOOP_KEYS = ("decode_attention", "steps_per_graph", "compile_prefill")
+GRAPH_LOOP_KEYS = ("decode_attention", "steps_per_graph")
 
 # decode steps one CUDA graph of the graph loop holds on a GPU (`rollout.steps_per_graph`'s GPU default): against 1,
 # 4 took 0.6-5.4 % off the rollout phase in each of 6 pairs of runs on 2 x H200 (two machines, 4 first in one round

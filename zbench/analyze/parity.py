@@ -59,18 +59,29 @@ def is_math_metric(name: str, spec: dict[str, Any]) -> bool:
     return any(name.startswith(p) for p in spec.get("include", []))
 
 
+def _world_size(case: CaseRun) -> int:
+    """The ranks a case ran (or was to run) with: its summary row's, else its config's (a case that did not finish
+    has no result.json for the summary to read it from)."""
+    value = case.value("world_size")
+    if not math.isnan(value):
+        return int(value)
+    from zbench.config import load_case_config
+
+    return load_case_config(case.dir / casedir.CONFIG).trainer.world_size
+
+
 def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: float | None = None,
                  spec: str | Path = "parity") -> ParityResult:
     """Compare step-``step`` math metrics of every case against the first case of its algorithm, and where the run's
     cases ran at several world sizes, of its algorithm at its world size: each rank samples its own responses, so
     one rank's step and two ranks' draw different ones, and only cases of one world size can agree."""
     run = load_run_root(root)
-    sizes = {str(case.row.get("world_size") or "") for case in run.cases}
     pspec = load_spec(spec)
     tol = pspec.get("tolerance", {}).get(run.device, {"rtol": 1e-3, "atol": 1e-5})
     rtol = float(tol["rtol"]) if rtol is None else rtol
     atol = float(tol["atol"]) if atol is None else atol
     groups: dict[str, list[tuple[CaseRun, dict[str, float]]]] = {}
+    recorded: list[tuple[CaseRun, dict[str, float], int]] = []  # with each case's world size
     skipped: list[str] = []
     unchecked: list[str] = []
     for case in run.cases:
@@ -82,8 +93,10 @@ def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: flo
                 skipped.append(f"{case.name}: no step {step} ({case.status})")
             continue
         row = {k: float(v) for k, v in m.loc[step].items() if is_math_metric(str(k), pspec)}
-        ranks = str(case.row.get("world_size") or "?")
-        group = case.algorithm if len(sizes) == 1 else f"{case.algorithm} at {ranks} rank{'' if ranks == '1' else 's'}"
+        recorded.append((case, row, _world_size(case)))
+    sizes = {ranks for _, _, ranks in recorded}
+    for case, row, ranks in recorded:
+        group = case.algorithm if len(sizes) == 1 else f"{case.algorithm} at {ranks} rank{'' if ranks == 1 else 's'}"
         groups.setdefault(group, []).append((case, row))
     if not groups and not unchecked:
         raise RunRootError(f"{root}: no case recorded step {step}")

@@ -252,8 +252,9 @@ class GraphDecoder:
     `torch.compile(mode="reduce-overhead")`, i.e. recorded once as a CUDA graph per (batch, cache length, and for
     the in-graph draw the temperature, pad id and EOS ids: one each a run) and replayed for every new token. The
     prefill runs each distinct prompt once (`_prefill`), on CUDA through compiled decoder layers
-    (`compile_prefill`, `_layers_compiled`); where the rows come as runs of `samples` rows of one prompt (GRPO's n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one
-    per run length too). Compiled, with top_p 1, the recorded step also draws the next token and keeps the books
+    (`compile_prefill`, `_layers_compiled`); where the rows come as runs of `samples` rows of one prompt (GRPO's
+    n), the Triton attention then reads that prompt's keys once a run (the recorded step is then one per run length
+    too). Compiled, with top_p 1, the recorded step also draws the next token and keeps the books
     (`_step`, `race_sampling`), so a token costs the host one graph replay; otherwise sampling runs between replays
     on the device with a seeded generator (`sample_tokens`). The host checks for all-finished rows only every
     `sync_every` tokens. With `compile=False` (CPU) the same loop runs eagerly, which is how it is tested against
@@ -332,11 +333,14 @@ class GraphDecoder:
         self._chain_pool: Any = None
         self._chain_stream: Any = None
         # The prefill's decoder layers compiled too (None: on CUDA, where the decode step is compiled; on a CPU,
-        # Inductor's C++ build costs more than a test's few prefills save): `_layers_compiled`
+        # Inductor's C++ build costs more than a test's few prefills save): `_layers_compiled`. Only where the
+        # prefill writes transformers' plain static layers (else it runs the eager fallback of `_prefill`) and the
+        # model keeps its decoder layers in `model.layers`.
         if compile_prefill is None:
             compile_prefill = compile and device.type == "cuda"
         layers = getattr(getattr(model, "model", None), "layers", None)
-        self._prefill_layers: list[nn.Module] = list(layers) if compile_prefill and isinstance(layers, nn.ModuleList) else []
+        compiles = compile_prefill and isinstance(layers, nn.ModuleList) and plain_static_layers(model.config)
+        self._prefill_layers: list[nn.Module] = list(layers) if compiles else []
         self._prefill_layer = torch.compile(_call_layer, dynamic=True, backend=prefill_backend)
         if compile:
             from torch import _inductor
@@ -359,23 +363,26 @@ class GraphDecoder:
 
         Eager, a Qwen3-0.6B layer's prefill runs about 75 kernels (its norms in float32, the rotary embedding's and
         the cache's concatenations), about half the prefill's GPU time at GRPO's 32 prompts on an H200; compiled,
-        Inductor fuses them around the matrix multiplies and the attention (47 against 101 ms a prefill,
+        Inductor fuses them around the matrix multiplies and the attention (46 against 83 ms a prefill,
         results/reference/h200-prefill-compiled-20261202). One layer's graph, not the whole model's: that compiles
-        in a 28th of the time. For every layer to pass the same guards, each is handed a cache of its own in place
-        of the model's, and its modules' `layer_idx` (which only picks the layer's slot in a cache) reads 0 while
-        the block lasts. A layer is switched through `_compiled_call_impl`, which `nn.Module.__call__` takes where
+        in seconds, not minutes. For every layer to pass the same guards, each is handed a cache of its own in place
+        of the model's, and its modules' `layer_idx` reads 0 while the block lasts: in Llama- and Qwen-style
+        decoders it only picks the layer's slot in a cache. Dynamic shapes still specialise sizes 0 and 1 (one
+        distinct prompt compiles a second graph). A layer is switched through `_compiled_call_impl`, which `nn.Module.__call__` takes where
         set, so the decode step, outside the block, runs the layers as before."""
+        if len(caches) != len(self._prefill_layers):
+            raise ValueError(f"{len(caches)} caches for {len(self._prefill_layers)} decoder layers")
         held = []
-        for layer, cache in zip(self._prefill_layers, caches, strict=True):
-            numbered = [(m, m.layer_idx) for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-            held.append((layer, layer._compiled_call_impl, numbered))
-            for module, _ in numbered:
-                module.layer_idx = 0
-            layer._compiled_call_impl = functools.partial(self._run_layer, layer, cache)
         try:
+            for layer, cache in zip(self._prefill_layers, caches, strict=True):
+                numbered = [(m, m.layer_idx) for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+                held.append((layer, layer._compiled_call_impl, numbered))
+                for module, _ in numbered:
+                    module.layer_idx = 0
+                layer._compiled_call_impl = functools.partial(self._run_layer, layer, cache)
             yield
         finally:
-            for layer, before, numbered in held:
+            for layer, before, numbered in reversed(held):  # last changed, first restored
                 layer._compiled_call_impl = before
                 for module, index in numbered:
                     module.layer_idx = index

@@ -192,7 +192,7 @@ def _device_defaults(data: dict[str, Any], where: str, on_cuda: bool | None) -> 
     None, as its `trainer.device` resolves here), else nothing. The case is first read with micro-batch 1 wherever
     nothing names one: the CPU's default size need not divide a GPU batch; and without MPS's SM share, which needs
     the critic's update beside other work, as the defaults may make it (`trainer.critic_update` overlap); and with
-    the graph loop on where its attention, steps a graph or prefill are named, as the defaults make it
+    the graph loop on where its attention or its steps a graph are named, as the defaults make it
     (`rollout.cuda_graph`)."""
     probe = copy.deepcopy(data)
     for key in ("actor.micro_batch_size_per_gpu", "critic.micro_batch_size_per_gpu"):
