@@ -359,7 +359,8 @@ class GraphDecoder:
     @contextlib.contextmanager
     def _layers_compiled(self, caches: list[Any]) -> Iterator[None]:
         """Inside this block each decoder layer runs through one compiled graph shared by all of them (shapes
-        dynamic: every prompt count and width too), writing its keys and values into its own cache of `caches`.
+        dynamic: every width and prompt count above one too), writing its keys and values into its own cache of
+        `caches`.
 
         Eager, a Qwen3-0.6B layer's prefill runs about 75 kernels (its norms in float32, the rotary embedding's and
         the cache's concatenations), about half the prefill's GPU time at GRPO's 32 prompts on an H200; compiled,
@@ -368,8 +369,8 @@ class GraphDecoder:
         in seconds, not minutes. For every layer to pass the same guards, each is handed a cache of its own in place
         of the model's, and its modules' `layer_idx` reads 0 while the block lasts: in Llama- and Qwen-style
         decoders it only picks the layer's slot in a cache. Dynamic shapes still specialise sizes 0 and 1 (one
-        distinct prompt compiles a second graph). A layer is switched through `_compiled_call_impl`, which `nn.Module.__call__` takes where
-        set, so the decode step, outside the block, runs the layers as before."""
+        distinct prompt compiles a second graph). A layer is switched through `_compiled_call_impl`, which
+        `nn.Module.__call__` takes where set, so the decode step, outside the block, runs the layers as before."""
         if len(caches) != len(self._prefill_layers):
             raise ValueError(f"{len(caches)} caches for {len(self._prefill_layers)} decoder layers")
         held = []
