@@ -162,7 +162,8 @@ def parity(
     atol: Annotated[float | None, typer.Option(min=0.0, help="Absolute tolerance (default per device, analysis spec).")
                     ] = None,
 ) -> None:
-    """Check that step-K math metrics agree across the cases of one algorithm; exit 1 naming any that diverge."""
+    """Check that step-K math metrics agree across the cases of one algorithm (and world size, where the run has
+    several: each rank samples its own responses); exit 1 naming any that diverge."""
     from zbench.analyze.parity import check_parity
 
     try:

@@ -59,15 +59,12 @@ def is_math_metric(name: str, spec: dict[str, Any]) -> bool:
     return any(name.startswith(p) for p in spec.get("include", []))
 
 
-def _world_size(case: CaseRun) -> int:
-    """The ranks a case ran (or was to run) with: its summary row's, else its config's (a case that did not finish
-    has no result.json for the summary to read it from)."""
+def _ranks(case: CaseRun) -> str:
+    """The ranks a case ran (or was to run) with, as its summary row says, for a parity group's name."""
     value = case.value("world_size")
-    if not math.isnan(value):
-        return int(value)
-    from zbench.config import load_case_config
-
-    return load_case_config(case.dir / casedir.CONFIG).trainer.world_size
+    if math.isnan(value):
+        return "unknown ranks"
+    return f"{int(value)} rank{'' if value == 1 else 's'}"
 
 
 def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: float | None = None,
@@ -81,7 +78,7 @@ def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: flo
     rtol = float(tol["rtol"]) if rtol is None else rtol
     atol = float(tol["atol"]) if atol is None else atol
     groups: dict[str, list[tuple[CaseRun, dict[str, float]]]] = {}
-    recorded: list[tuple[CaseRun, dict[str, float], int]] = []  # with each case's world size
+    recorded: list[tuple[CaseRun, dict[str, float], str]] = []  # with each case's ranks
     skipped: list[str] = []
     unchecked: list[str] = []
     for case in run.cases:
@@ -93,11 +90,10 @@ def check_parity(root: Path, step: int = 1, rtol: float | None = None, atol: flo
                 skipped.append(f"{case.name}: no step {step} ({case.status})")
             continue
         row = {k: float(v) for k, v in m.loc[step].items() if is_math_metric(str(k), pspec)}
-        recorded.append((case, row, _world_size(case)))
+        recorded.append((case, row, _ranks(case)))
     sizes = {ranks for _, _, ranks in recorded}
     for case, row, ranks in recorded:
-        group = case.algorithm if len(sizes) == 1 else f"{case.algorithm} at {ranks} rank{'' if ranks == 1 else 's'}"
-        groups.setdefault(group, []).append((case, row))
+        groups.setdefault(case.algorithm if len(sizes) == 1 else f"{case.algorithm} at {ranks}", []).append((case, row))
     if not groups and not unchecked:
         raise RunRootError(f"{root}: no case recorded step {step}")
     mismatches, compared = [], 0

@@ -341,7 +341,8 @@ class GraphDecoder:
         layers = getattr(getattr(model, "model", None), "layers", None)
         compiles = compile_prefill and isinstance(layers, nn.ModuleList) and plain_static_layers(model.config)
         self._prefill_layers: list[nn.Module] = list(layers) if compiles else []
-        self._prefill_layer = torch.compile(_call_layer, dynamic=True, backend=prefill_backend)
+        # (torch.compile imports dynamo: only where it will run)
+        self._prefill_layer = torch.compile(_call_layer, dynamic=True, backend=prefill_backend) if compiles else None
         if compile:
             from torch import _inductor
 
@@ -395,6 +396,7 @@ class GraphDecoder:
             raise RuntimeError(f"rollout.compile_prefill: {type(layer).__name__} was called without its KV cache "
                                "(as `past_key_values` or `cache`), so its compiled prefill has nowhere to put its "
                                "keys and values; set rollout.compile_prefill=false")
+        assert self._prefill_layer is not None  # `_layers_compiled` switches layers in only where it exists
         return self._prefill_layer(layer, *args, **(kwargs | {key: into}))
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Any,

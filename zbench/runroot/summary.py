@@ -142,7 +142,7 @@ def case_summary_row(run_root: str | os.PathLike[str], case: str, case_dir: str 
         "offload_effective": result.get("offload_effective"),
         "rollout_backend": result.get("rollout_backend") or (cfg.rollout.backend if cfg else None),
         "rollout_engine": result.get("rollout_engine"),  # which loop ran (hf-graph, hf-generate, ..., vllm)
-        "world_size": result.get("world_size"),
+        "world_size": result.get("world_size", cfg.trainer.world_size if cfg else None),
         "seed": cfg.seed if cfg else None,
         "status": status.get("status", "pending"),
         "steps_completed": steps_completed,
